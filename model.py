@@ -1,0 +1,356 @@
+"""
+A Llama / Mistral / Qwen2 decoder written from scratch, loading Hugging Face safetensors checkpoints.
+
+Shape legend, used the same way in every file of this project:
+    B batch, T positions in this call, S all positions so far, H query heads, G kv heads,
+    R = H // G query heads per kv head, D head dim, E model dim, F mlp dim, V vocab, C chunk size.
+
+`model(tokens)` runs plain full causal attention: the reference every cached and offloaded path is checked
+against. `model(tokens, cache)` hands each layer's q, k, v to the cache (kvcache.py), which stores k, v and
+returns the attention output; the model itself knows nothing of chunks, tiers or transfers.
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot load; the message names the file, field or tensor and what to do."""
+
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class ModelArgs:
+    arch: str = "llama"                # llama | mistral | qwen2
+    dim: int = 4096                    # E, hidden_size
+    n_layers: int = 32                 # num_hidden_layers
+    n_heads: int = 32                  # H, num_attention_heads
+    n_kv_heads: int = 32               # G, num_key_value_heads (G < H is grouped-query attention)
+    head_dim: int = 128                # D; may differ from dim // n_heads when the config says so
+    hidden_dim: int = 11008            # F, intermediate_size of the SwiGLU MLP
+    vocab_size: int = 32000            # V
+    norm_eps: float = 1e-6             # rms_norm_eps
+    max_seq_len: int = 2048            # max_position_embeddings
+    rope_theta: float = 10000.0        # RoPE base
+    rope_scaling: dict = field(default_factory=dict)  # {} or {"rope_type": "linear"|"llama3", "factor": ...}
+    qkv_bias: bool = False             # Qwen2 (and Llama attention_bias) add biases to q, k, v
+    o_bias: bool = False               # Llama attention_bias also biases o_proj
+    mlp_bias: bool = False             # Llama mlp_bias
+    tie_embeddings: bool = False       # lm_head shares the embedding matrix (no lm_head.weight in the file)
+    sliding_window: Optional[int] = None  # Mistral: exact as full attention while the context is <= this
+    torch_dtype: str = "float32"       # the dtype the checkpoint was saved in
+
+    @property
+    def n_rep(self):  # R: query heads sharing one kv head
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def max_context(self):  # longest context we compute exactly
+        return min(self.max_seq_len, self.sliding_window or self.max_seq_len)
+
+    def kv_bytes_per_token(self, dtype):  # K and V, all layers
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_config(cls, cfg, path="config.json"):
+        """Read a transformers config dict, 4.x style (rope_theta, rope_scaling, torch_dtype) or 5.x style
+        (rope_parameters, dtype). Anything we would compute differently from transformers is refused."""
+        def refuse(what):
+            raise CheckpointError(f"{path}: {what}; this project supports plain Llama, Mistral and Qwen2 models only")
+        archs = cfg.get("architectures") or []
+        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type"))
+        if arch is None:
+            refuse(f"architectures={archs} / model_type={cfg.get('model_type')!r} is not one of {sorted(ARCHITECTURES)}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise CheckpointError(f"{path}: field '{key}' is missing or not a positive integer")
+        if cfg.get("hidden_act", "silu") != "silu":
+            refuse(f"hidden_act={cfg['hidden_act']!r} is not 'silu'")
+        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+            if cfg.get(key):
+                refuse(f"{key}={cfg[key]} means a mixture of experts")
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            refuse(f"partial_rotary_factor={cfg['partial_rotary_factor']} is not 1.0")
+        # RoPE: 5.x keeps everything in rope_parameters, 4.x has rope_theta plus an optional rope_scaling
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if "sliding_attention" in rope or "full_attention" in rope:
+            refuse("per-layer-type rope_parameters are not supported")
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            refuse(f"rope type {rope_type!r} (rope_scaling / rope_parameters) is not one of {ROPE_TYPES}")
+        rope["rope_type"] = rope_type
+        if rope_type != "default" and not rope.get("factor"):
+            refuse(f"rope type {rope_type!r} needs a 'factor'")
+        if rope_type == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if key not in rope:
+                    refuse(f"rope type 'llama3' needs '{key}'")
+        # Qwen2 keeps sliding_window filled in even when use_sliding_window is false; Mistral uses it if set
+        window = cfg.get("sliding_window")
+        if arch == "qwen2":
+            if cfg.get("use_sliding_window"):
+                refuse(f"use_sliding_window=true (sliding_window={window}) is a sliding-window attention")
+            window = None
+        layer_types = cfg.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types) and arch != "mistral":
+            refuse(f"layer_types={sorted(set(layer_types))} has layers without full attention")
+        n_heads = cfg["num_attention_heads"]
+        n_kv = cfg.get("num_key_value_heads") or n_heads
+        if n_heads % n_kv:
+            raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            arch=arch, dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
+            head_dim=head_dim, hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else {},
+            qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=window, torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        )
+
+
+def rope_inv_freq(args):
+    """Inverse frequencies [D/2] of RoPE, with linear or llama3 scaling, as transformers computes them."""
+    d = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = args.rope_scaling
+    if s.get("rope_type") == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif s.get("rope_type") == "llama3":
+        factor, lo, hi, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)  # long wavelengths: slow down
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled                 # in between: interpolate
+        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def apply_rope(x, cos, sin):
+    # x [B, heads, T, D]; cos, sin [T, D]. Rotate the two halves of D (the layout HF checkpoints are stored in).
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+# -----------------------------------------------------------------------------
+# model
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # normalise in fp32, as transformers does
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        H, G, D, E = args.n_heads, args.n_kv_heads, args.head_dim, args.dim
+        self.wq = nn.Linear(E, H * D, bias=args.qkv_bias)
+        self.wk = nn.Linear(E, G * D, bias=args.qkv_bias)
+        self.wv = nn.Linear(E, G * D, bias=args.qkv_bias)
+        self.wo = nn.Linear(H * D, E, bias=args.o_bias)
+
+    def forward(self, x, cos, sin, layer, cache=None):
+        B, T, _ = x.shape
+        H, G, D = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
+        q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+        v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:  # the reference: every position attends to all earlier ones, nothing is kept
+            k = k.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
+            v = v.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        else:  # the cache stores k, v at its current positions and attends over everything it holds
+            y = cache.attend(layer, q, k, v)  # [B, H, T, D]
+        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate_proj
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up_proj
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down_proj
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, layer, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, layer, cache)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2] fp32
+
+    def forward(self, tokens, cache=None):
+        """tokens [B, T] -> logits [B, T, V]. With a cache, tokens continue at position cache.length."""
+        B, T = tokens.shape
+        start = 0 if cache is None else cache.length
+        pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)                   # [T, D/2], fp32 as in transformers
+        emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
+        x = self.tok_embeddings(tokens)                           # [B, T, E]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)   # [T, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, cache)
+        return self.output(self.norm(x)).float()                  # [B, T, V], fp32 for sampling
+
+    @classmethod
+    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32):
+        """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the weights)."""
+        args = ModelArgs.from_config(read_json(os.path.join(ckpt_dir, "config.json")), os.path.join(ckpt_dir, "config.json"))
+        with torch.device("meta"):
+            model = cls(args)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for hf_name, tensor, path in iter_checkpoint(ckpt_dir):
+            name = hf_to_ours(hf_name, args)
+            if name is None:
+                continue
+            if name not in params:
+                raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a {args.arch} model with this config)")
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
+                                      f"config.json implies {tuple(params[name].shape)}")
+            module_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
+        if missing:
+            raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
+                                  f"({len(missing)} missing in all)")
+        if args.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight  # re-tie: the tie was made on the meta device
+        model.inv_freq = rope_inv_freq(args).to(device)
+        return model.eval()
+
+
+# -----------------------------------------------------------------------------
+# checkpoint files
+
+# Hugging Face module name -> ours, {} is the layer index; ".weight" / ".bias" follow unchanged.
+# The layouts agree (HF stores q/k for half-split RoPE, as apply_rope rotates), so nothing is transposed or permuted.
+WEIGHT_MAP = {
+    "model.embed_tokens": "tok_embeddings",
+    "model.norm": "norm",
+    "lm_head": "output",
+    "model.layers.{}.input_layernorm": "layers.{}.attention_norm",
+    "model.layers.{}.post_attention_layernorm": "layers.{}.ffn_norm",
+    "model.layers.{}.self_attn.q_proj": "layers.{}.attention.wq",
+    "model.layers.{}.self_attn.k_proj": "layers.{}.attention.wk",
+    "model.layers.{}.self_attn.v_proj": "layers.{}.attention.wv",
+    "model.layers.{}.self_attn.o_proj": "layers.{}.attention.wo",
+    "model.layers.{}.mlp.gate_proj": "layers.{}.feed_forward.w1",
+    "model.layers.{}.mlp.up_proj": "layers.{}.feed_forward.w3",
+    "model.layers.{}.mlp.down_proj": "layers.{}.feed_forward.w2",
+}
+_REVERSE_MAP = {v: k for k, v in WEIGHT_MAP.items()}
+
+
+def _translate(name, table):
+    """Map 'a.layers.3.b.weight' through a table keyed by 'a.layers.{}.b'; None if the table has no entry."""
+    module, _, kind = name.rpartition(".")
+    idx = re.search(r"\.(\d+)\.", module)
+    key = module.replace(idx.group(0), ".{}.", 1) if idx else module
+    return table[key].format(idx.group(1) if idx else "") + "." + kind if key in table else None
+
+
+def hf_to_ours(hf_name, args):
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None  # old checkpoints saved this buffer; we compute it
+    if hf_name == "lm_head.weight" and args.tie_embeddings:
+        return None  # tied: the embedding is the output matrix (some tied checkpoints still carry a copy)
+    return _translate(hf_name, WEIGHT_MAP) or hf_name  # an unknown name stays as is and is reported unexpected
+
+
+def ours_to_hf(name):
+    return _translate(name, _REVERSE_MAP) or name
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+
+
+def checkpoint_files(ckpt_dir):
+    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index names."""
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: has no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+    elif os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json "
+                              "(only safetensors checkpoints are loaded; convert .bin files with transformers first)")
+    paths = [os.path.join(ckpt_dir, f) for f in files]
+    for p in paths:
+        if not os.path.exists(p):
+            raise CheckpointError(f"{p}: shard named in the index is missing")
+    return paths
+
+
+def iter_checkpoint(ckpt_dir):
+    """Yield (name, tensor, file) one tensor at a time, so only one tensor is held beyond the model."""
+    for path in checkpoint_files(ckpt_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name), path
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors reports truncation and corruption with its own error types
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupt") from None

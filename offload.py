@@ -1,0 +1,369 @@
+"""
+Where the bytes of the KV cache live, and how they move between the tiers.
+
+    compute device            host memory                     disk (one directory per task)
+    +------------------+      +------------------------+      +-------------------------------+
+    | open chunk       | seal | host pool, allocated   |      | layer{l}.kv  np.memmap, chunk |
+    | window of W most |----->| once, pinned on CUDA   |      |   j at byte j * slot_bytes    |
+    | recent chunks    | evict|  (--cpu-budget GiB)    |      | layer{l}.zst zstd blobs +     |
+    | staging slots    |<-----+------------------------+      |   an index (--compress zstd)  |
+    +------------------+  prefetch (copy stream / worker thread) <------------------------------+
+
+A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D] tensor (K at [0], V at [1]).
+The store's verbs, in the order generate.py's loop calls them (through kvcache.py):
+    prefetch(n)   start of a step: queue every sealed chunk not on the device, in the order attention reads them
+    open_chunk(l) the device buffer that layer l writes this step's K and V into
+    load(l, j)    chunk j of layer l as device tensors (waits for its prefetch if it was staged)
+    release(l, j) attention is done with it; its staging slot may be refilled
+    seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is evicted
+    close()       stop the worker, remove the task's files
+
+Stream ordering on CUDA (../DESIGN.md section 3), each marked in the code as "rule N":
+    1. a device-to-host copy of a sealed chunk waits for the compute that wrote it;
+    2. compute that reads a staged chunk waits for the copy that brought it;
+    3. a staging slot is overwritten only after the compute that last read it has finished;
+    4. a pinned bounce buffer is read or refilled by the CPU only after the copy into/out of it has finished;
+    5. a device buffer given back to the pool is reused only after the copy out of it has finished.
+On CPU there are no streams: "device" and host are the same memory, host chunks and raw disk chunks are read in
+place (a disk chunk is a zero-copy view of the mapped file, so its pages belong to the page cache, not to the
+process), and a worker thread writes, reads and decompresses disk chunks off the critical path.
+"""
+import os
+import shutil
+import threading
+from collections import deque
+from contextlib import nullcontext
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+MODES = ("none", "cpu", "disk")
+COMPRESSIONS = ("none", "zstd")
+ALIGN = 4096  # every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
+
+
+class OffloadError(RuntimeError):
+    """The offload tiers cannot hold or move what they must; the message names the flag or path."""
+
+
+@dataclass
+class OffloadConfig:
+    mode: str = "none"                   # none | cpu | disk: where sealed chunks beyond the window go
+    window: int = 4                      # W: most recent sealed chunks per layer kept on the device
+    cpu_budget_gib: Optional[float] = None  # host tier size; None = as much as the task needs (cpu), 0 (disk)
+    offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/<task id>/
+    compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
+    staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
+    keep_files: bool = False             # leave the disk tier's files after close()
+
+
+def round_up(n, a):
+    return (n + a - 1) // a * a
+
+
+# -----------------------------------------------------------------------------
+# disk tier
+
+class DiskTier:
+    """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes. zstd: blobs appended to a file,
+    with the byte planes of each element split first (KV compresses better that way) and an in-memory index."""
+
+    def __init__(self, path, n_layers, n_chunks, shape, dtype, compress):
+        self.path, self.shape, self.dtype, self.compress = path, shape, dtype, compress
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.chunk_bytes = int(np.prod(shape)) * self.itemsize
+        self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if compress == "zstd":
+                import zstandard
+                self.zc, self.zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                            for l in range(n_layers)]
+                self.ends, self.index = [0] * n_layers, {}
+            else:
+                self.maps = []
+                for l in range(n_layers):
+                    f = os.path.join(path, f"layer{l}.kv")
+                    os.close(os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
+                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(n_chunks * self.slot_bytes,)))
+        except OSError as e:
+            raise OffloadError(f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
+
+    def view(self, layer, j):
+        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file."""
+        start = j * self.slot_bytes
+        return torch.from_numpy(self.maps[layer][start:start + self.chunk_bytes]).view(self.dtype).view(self.shape)
+
+    def write(self, layer, j, src):
+        """src: a host tensor [2, B, G, C, D]. Returns the bytes written."""
+        if self.compress != "zstd":
+            self.view(layer, j).copy_(src)
+            return self.chunk_bytes
+        planes = src.reshape(-1).view(torch.uint8).numpy().reshape(-1, self.itemsize).T  # [itemsize, n] byte planes
+        blob = self.zc.compress(np.ascontiguousarray(planes).tobytes())
+        off = self.ends[layer]
+        os.pwrite(self.fds[layer], blob, off)
+        self.ends[layer] += len(blob)
+        self.index[(layer, j)] = (off, len(blob))
+        return len(blob)
+
+    def read_into(self, layer, j, dst):
+        """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
+        if self.compress != "zstd":
+            dst.copy_(self.view(layer, j))
+            return self.chunk_bytes
+        off, n = self.index[(layer, j)]
+        blob = os.pread(self.fds[layer], n, off)
+        if len(blob) != n:
+            raise OffloadError(f"{self.path}/layer{layer}.zst: short read of chunk {j}; the file was changed underneath")
+        planes = np.frombuffer(self.zd.decompress(blob, max_output_size=self.chunk_bytes), dtype=np.uint8)
+        dst.reshape(-1).view(torch.uint8).numpy().reshape(-1, self.itemsize)[:] = planes.reshape(self.itemsize, -1).T
+        return n
+
+    def close(self, remove):
+        if self.compress == "zstd":
+            for fd in self.fds:
+                os.close(fd)
+        self.maps = []
+        if remove:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+# -----------------------------------------------------------------------------
+# the store
+
+class TieredStore:
+    """The chunks of one task (one sequence batch) across device, host and disk."""
+
+    def __init__(self, n_layers, batch, kv_heads, head_dim, chunk_size, max_length, device, dtype, cfg, task_id="task"):
+        if cfg.mode not in MODES:
+            raise OffloadError(f"--offload must be one of {MODES}, got {cfg.mode!r}")
+        if cfg.compress not in COMPRESSIONS:
+            raise OffloadError(f"--compress must be one of {COMPRESSIONS}, got {cfg.compress!r}")
+        if cfg.compress == "zstd" and cfg.mode != "disk":
+            raise OffloadError("--compress zstd applies to the disk tier only; add --offload disk")
+        if chunk_size < 1 or cfg.window < 0 or cfg.staging_slots < 1:
+            raise OffloadError("--chunk-size and staging slots must be >= 1 and --window >= 0")
+        self.n_layers, self.chunk_size, self.max_length, self.cfg = n_layers, chunk_size, max_length, cfg
+        self.device, self.dtype = torch.device(device), dtype
+        self.cuda = self.device.type == "cuda"
+        self.shape = (2, batch, kv_heads, chunk_size, head_dim)                 # one chunk: K and V, [2, B, G, C, D]
+        self.chunk_bytes = int(np.prod(self.shape)) * torch.empty((), dtype=dtype).element_size()
+        self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
+        self.n_chunks = -(-max_length // chunk_size)                            # chunks per layer for max_length
+        self.window = self.n_chunks if cfg.mode == "none" else cfg.window
+
+        # host tier: one pool, allocated (and on CUDA pinned) once, sized to what the task can need
+        evictable = n_layers * max(0, self.n_chunks - 1 - self.window)          # the last chunk is never sealed+evicted
+        budget = cfg.cpu_budget_gib if cfg.cpu_budget_gib is not None else (None if cfg.mode == "cpu" else 0)
+        host_slots = evictable if budget is None else min(evictable, int(budget * 2**30) // self.slot_bytes)
+        if cfg.mode == "cpu" and host_slots < evictable:
+            need = evictable * self.slot_bytes / 2**30
+            raise OffloadError(f"--cpu-budget {budget} GiB holds {host_slots} of the {evictable} chunks this task "
+                               f"offloads ({need:.2f} GiB); raise it, widen --window, or use --offload disk")
+        self.host = self._alloc(host_slots, "cpu", pin=self.cuda) if cfg.mode != "none" else None
+        self.host_free = list(range(host_slots - 1, -1, -1))
+        self.disk = None
+        if cfg.mode == "disk":
+            self.disk = DiskTier(os.path.join(cfg.offload_dir, task_id), n_layers, self.n_chunks, self.shape, dtype,
+                                 cfg.compress)
+
+        # device tier: the open chunk per layer, the window, and buffers returned by evictions
+        self.open = [None] * n_layers
+        self.resident = {}                    # (layer, j) -> device chunk [2, B, G, C, D]
+        self.free = deque()                   # (device chunk, fence) that may be reused once the fence is passed
+        self.where = {}                       # (layer, j) -> "device" | ("host", slot) | "disk"
+        self.written = {}                     # (layer, j) -> future of its disk write
+        self.device_buffers = 0
+
+        # prefetch: staging slots, a FIFO worker thread (disk I/O, zstd, and on CUDA the copies it issues)
+        self.staged = self.cuda or cfg.compress == "zstd"  # else host and raw-disk chunks are read in place (CPU)
+        n_slots = cfg.staging_slots if (self.staged and cfg.mode != "none") else 0
+        self.slots = [self._alloc(1, self.device)[0] for _ in range(n_slots)]
+        self.slot_free = list(range(n_slots - 1, -1, -1))
+        self.queue, self.inflight = deque(), deque()
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="kv-offload") if cfg.mode != "none" else None
+        self.lock = threading.Lock()
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}
+        self.peak_device_bytes = 0
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.slot_ready = [torch.cuda.Event() for _ in range(n_slots)]     # recorded on the copy stream
+            self.slot_released = [torch.cuda.Event() for _ in range(n_slots)]  # recorded on the compute stream
+            self.bounces = [self._alloc(1, "cpu", pin=True)[0] for _ in range(n_slots)] if self.disk else []
+            self.write_bounces = deque(self._alloc(1, "cpu", pin=True)[0] for _ in range(n_layers if self.disk else 0))
+
+    def _alloc(self, n, device, pin=False):
+        """n chunk tensors carved from one flat buffer, each starting on an ALIGN boundary."""
+        flat = torch.empty(max(n, 1) * self.slot_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        return [flat[i * self.slot_bytes:i * self.slot_bytes + self.chunk_bytes].view(self.dtype).view(self.shape)
+                for i in range(n)]
+
+    def _count(self, key, n):
+        with self.lock:
+            self.bytes[key] += n
+
+    # ---- verbs of a step -------------------------------------------------------------------------------
+
+    def prefetch(self, n_sealed):
+        """Queue every chunk of this step that must be staged, in attention's order: all chunks of layer 0,
+        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended."""
+        while self.inflight:  # a step that failed half-way left copies in flight: let them land first
+            self.inflight.popleft()[3].result()
+        self.slot_free = list(range(len(self.slots) - 1, -1, -1))
+        self.queue = deque((l, j) for l in range(self.n_layers) for j in range(n_sealed)
+                           if self.staged and self.where[(l, j)] != "device")
+        self._pump()
+
+    def _pump(self):
+        while self.queue and self.slot_free:
+            l, j = self.queue.popleft()
+            slot = self.slot_free.pop()
+            self.inflight.append((l, j, slot, self.worker.submit(self._stage, l, j, slot)))
+
+    def _stage(self, l, j, slot):
+        """Worker thread: bring chunk (l, j) into staging slot `slot`."""
+        where, dst = self.where[(l, j)], self.slots[slot]
+        if not self.cuda:  # CPU: only zstd chunks are staged; decompress straight into the slot
+            self._count("disk_read", self.disk.read_into(l, j, dst))
+            return
+        if where == "disk":
+            bounce = self.bounces[slot]
+            self.slot_ready[slot].synchronize()  # rule 4: the last host-to-device copy out of this bounce is done
+            self._count("disk_read", self.disk.read_into(l, j, bounce))
+            src = bounce
+        else:
+            src = self.host[where[1]]
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.slot_released[slot])  # rule 3: attention has finished with the slot
+            dst.copy_(src, non_blocking=True)
+            self.slot_ready[slot].record()  # rule 2: attention waits for this before reading the slot
+        self._count("h2d", self.chunk_bytes)
+
+    def open_chunk(self, layer):
+        if self.open[layer] is None:
+            self.open[layer] = self._device_buffer()
+        return self.open[layer]
+
+    def load(self, layer, j):
+        where = self.where[(layer, j)]
+        if where == "device":
+            kv = self.resident[(layer, j)]
+        elif not self.staged:  # CPU: read in place, host pool or mapped file
+            if where == "disk":
+                self.written[(layer, j)].result()  # its write must have landed in the mapping
+                kv = self.disk.view(layer, j)
+                self._count("disk_read", self.chunk_bytes)
+            else:
+                kv = self.host[where[1]]
+        else:
+            l, jj, slot, fut = self.inflight[0]
+            assert (l, jj) == (layer, j), f"prefetch order broken: expected {(l, jj)}, attention asked {(layer, j)}"
+            fut.result()  # re-raises an I/O error of the worker here, in the step that needed the chunk
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])  # rule 2
+            kv = self.slots[slot]
+        return kv[0], kv[1]
+
+    def release(self, layer, j):
+        if self.where[(layer, j)] == "device" or not self.staged:
+            return
+        l, jj, slot, _ = self.inflight.popleft()
+        if self.cuda:
+            self.slot_released[slot].record(torch.cuda.current_stream(self.device))  # rule 3
+        self.slot_free.append(slot)
+        self._pump()
+
+    def seal(self, j):
+        """Chunk j is full on every layer: it joins the device window; the chunk that falls out is offloaded."""
+        if self.cuda and self.window < self.n_chunks:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_event(written)  # rule 1: copies out wait for the compute that wrote the chunks
+        for l in range(self.n_layers):
+            self.resident[(l, j)], self.open[l] = self.open[l], None
+            self.where[(l, j)] = "device"
+            if j - self.window >= 0 and self.where.get((l, j - self.window)) == "device":
+                self.offload(l, j - self.window)
+
+    def offload(self, l, j):
+        """Move chunk (l, j) off the device: to the host pool while it has room, else to disk."""
+        kv = self.resident.pop((l, j))
+        if self.host_free:
+            slot = self.host_free.pop()
+            with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
+                self.host[slot].copy_(kv, non_blocking=self.cuda)
+                fence = self._event_on_copy_stream()
+            self.where[(l, j)] = ("host", slot)
+            self._count("d2h", self.chunk_bytes)
+        elif self.disk is not None:
+            if self.cuda:
+                bounce = self.write_bounces.popleft() if self.write_bounces else self._wait_bounce()
+                with torch.cuda.stream(self.copy_stream):
+                    bounce.copy_(kv, non_blocking=True)
+                    fence = self._event_on_copy_stream()
+                self._count("d2h", self.chunk_bytes)
+                self.written[(l, j)] = self.worker.submit(self._write_from_bounce, l, j, bounce, fence)
+            else:
+                fence = self.written[(l, j)] = self.worker.submit(self._write, l, j, kv)
+            self.where[(l, j)] = "disk"
+        else:
+            raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
+        self.free.append((kv, fence))
+
+    def _write(self, l, j, src):
+        self._count("disk_write", self.disk.write(l, j, src))
+
+    def _write_from_bounce(self, l, j, bounce, fence):
+        fence.synchronize()  # rule 4: the device-to-host copy into the bounce has finished
+        self._write(l, j, bounce)
+        self.write_bounces.append(bounce)
+
+    def _wait_bounce(self):
+        while not self.write_bounces:  # all write bounces are queued for disk: wait for the oldest write
+            next(f for f in self.written.values() if not f.done()).result()
+        return self.write_bounces.popleft()
+
+    def _event_on_copy_stream(self):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event()
+        e.record(self.copy_stream)
+        return e
+
+    def _device_buffer(self):
+        if self.free:
+            kv, fence = self.free.popleft()
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(fence)  # rule 5: the copy out of it is done
+            elif fence is not None:
+                fence.result()  # CPU: the worker has written it to disk
+            return kv
+        self.device_buffers += 1
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
+        return self._alloc(1, self.device)[0]
+
+    # ---- accounting and lifecycle -----------------------------------------------------------------------
+
+    def device_bytes(self):
+        """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
+        return (self.device_buffers + len(self.slots)) * self.slot_bytes
+
+    def stats(self):
+        tiers = {"device": sum(o is not None for o in self.open), "host": 0, "disk": 0}
+        for w in self.where.values():
+            tiers["device" if w == "device" else "disk" if w == "disk" else "host"] += 1
+        return {"bytes": dict(self.bytes), "chunks": tiers, "kv_device_bytes_peak": self.peak_device_bytes}
+
+    def close(self):
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if self.disk is not None:
+            self.disk.close(remove=not self.cfg.keep_files)
+
