@@ -8,6 +8,7 @@ context). The loop is four free functions, each small enough to time, replace or
 forward (one cached step), prefill (the prompt, a chunk at a time), decode_one_token, generate.
 """
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -121,6 +122,16 @@ def host_memory():
         import resource
         out["rss"] = out["anon"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def return_large_frees_to_os(threshold=1 << 20):
+    """glibc raises its mmap threshold after each large free; from then on big temporaries (the attention scores of
+    a prefill chunk) come from the heap, which fragments and is rarely trimmed, so resident memory creeps up with
+    the context although nothing holds it. A fixed threshold keeps big blocks in mmap: freed, they go back to the OS."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def make_cache(model, cfg, chunk_size, max_length, task_id="task"):
@@ -303,6 +314,7 @@ def progress_line(stats, n_prompt, n_new):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    return_large_frees_to_os()
     try:
         cfg, text = resolve(args)
         model_args = ModelArgs.from_config(read_json(os.path.join(args.ckpt, "config.json")), os.path.join(args.ckpt, "config.json"))

@@ -232,6 +232,9 @@ class Transformer(nn.Module):
         """tokens [B, T] -> logits [B, T, V]. With a cache, tokens continue at position cache.length."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
+        if self.args.sliding_window and start + T > self.args.sliding_window:  # past it, the model masks far keys
+            raise ValueError(f"position {start + T} is past sliding_window={self.args.sliding_window} of config.json; "
+                             "sliding-window attention is not implemented, so longer contexts are refused")
         pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)                   # [T, D/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
@@ -316,11 +319,14 @@ def ours_to_hf(name):
 def read_json(path):
     try:
         with open(path) as f:
-            return json.load(f)
+            obj = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(obj).__name__}")
+    return obj
 
 
 def checkpoint_files(ckpt_dir):

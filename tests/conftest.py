@@ -1,0 +1,37 @@
+import os
+import sys
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # model.py etc. at the repo root, helpers such as ckpt.py here
+
+from ckpt import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(**build_checkpoint kwargs) -> path, built once per session and shared: never modify it
+    (copy it with shutil.copytree first)."""
+    built = {}
+
+    def get(**kwargs):
+        key = repr(sorted(kwargs.items()))
+        if key not in built:
+            built[key] = str(build_checkpoint(tmp_path_factory.mktemp("ckpt"), **kwargs))
+        return built[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(checkpoint):
+    """The default tiny Llama (GQA, fp32, one file), shared by the whole session: read only."""
+    return checkpoint()
+
+
+@pytest.fixture(scope="session")
+def text_ckpt(tmp_path_factory):
+    """A tiny Llama with a sentencepiece tokenizer, for the command-line tools: read only."""
+    from ckpt import add_sentencepiece
+    path = build_checkpoint(tmp_path_factory.mktemp("text_ckpt"), vocab_size=400, max_position_embeddings=2048)
+    return str(add_sentencepiece(path))

@@ -1,0 +1,93 @@
+"""
+tokenizer.py judged against the libraries it wraps: a tiny sentencepiece model (Llama 2 / Mistral style) and a
+tiny byte-level BPE tokenizer.json (Llama 3 style with a BOS post-processor, Qwen2 style without), all trained
+offline in a temporary directory.
+"""
+import json
+import os
+import random
+
+import pytest
+
+from tokenizer import Tokenizer, load_tokenizer
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing boxes".split()
+TEXT = "the lazy wizard jumps — naïve 日本 boxes!"  # the last few characters are not in the training text
+
+
+def corpus(lines=300, seed=0):
+    r = random.Random(seed)
+    return [" ".join(r.choice(WORDS) for _ in range(12)) for _ in range(lines)]  # ~20 KB
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+@pytest.fixture(scope="module")
+def spm_dir(tmp_path_factory):
+    import sentencepiece as spm
+    path = tmp_path_factory.mktemp("spm")
+    # byte_fallback adds 256 byte pieces, so the vocab must exceed 259; identity normalisation keeps round trips exact
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_prefix=str(path / "tokenizer"),
+                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+                                   normalization_rule_name="identity", minloglevel=2)
+    os.remove(path / "tokenizer.vocab")
+    write_json(path / "config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    return path
+
+
+def test_sentencepiece_encode_decode(spm_dir):
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
+    tok = Tokenizer(str(spm_dir))
+    ids = tok.encode(TEXT)
+    assert ids == [1] + sp.encode(TEXT)  # BOS first, then exactly what sentencepiece itself gives
+    assert any(sp.IsByte(i) for i in ids[1:])  # the unseen characters went through byte fallback
+    assert tok.decode(ids) == TEXT
+    assert tok.bos_id == 1 and tok.eos_ids == {2}  # from config.json: there is no generation_config.json
+
+
+def test_sentencepiece_eos_from_generation_config(spm_dir, tmp_path):
+    path = tmp_path / "ckpt"
+    os.makedirs(path)
+    os.symlink(spm_dir / "tokenizer.model", path / "tokenizer.model")
+    write_json(path / "config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    write_json(path / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [2, 7]})
+    assert Tokenizer(str(path)).eos_ids == {2, 7}
+    write_json(path / "tokenizer_config.json", {"add_bos_token": False})
+    tok = load_tokenizer(str(path))
+    assert tok.encode(TEXT)[0] != 1 and tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def build_tokenizer_json(path, bos):
+    """Byte-level BPE trained in memory; with bos=True a post-processor prepends <|begin|> as Llama 3's does."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin|>", "<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[("<|begin|>", 0)])
+    os.makedirs(path, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    write_json(path / "config.json", {"bos_token_id": 0, "eos_token_id": 1})
+    return path
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["llama3-style", "qwen2-style"])
+def test_tokenizer_json_encode_decode(tmp_path, bos):
+    path = build_tokenizer_json(tmp_path / "ckpt", bos)
+    tok = Tokenizer(str(path))
+    ids = tok.encode(TEXT)
+    assert ids.count(0) == int(bos) and (ids[0] == 0) == bos  # BOS exactly as the file says: once, or not at all
+    assert len(ids) < len(TEXT.encode())  # merges were learnt and used, not just bytes
+    assert tok.decode(ids) == TEXT  # special tokens skipped, bytes reassembled
+    assert tok.eos_ids == {1}
+
+
+def test_no_tokenizer_means_none(llama_ckpt):
+    assert load_tokenizer(llama_ckpt) is None
