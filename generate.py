@@ -8,18 +8,16 @@ context). The loop is four free functions, each small enough to time, replace or
 forward (one cached step), prefill (the prompt, a chunk at a time), decode_one_token, generate.
 """
 import argparse
-import ctypes
 import json
 import os
+import signal
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kvcache import KVCache
 from model import CheckpointError, ModelArgs, Transformer, read_json
-from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError, TieredStore
+from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
 from tokenizer import load_tokenizer
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
@@ -88,114 +86,31 @@ def sample(logits, s, position):
     return torch.multinomial(probs, 1, generator=g)  # [B, 1] on the CPU; the caller moves it
 
 
-def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(), on_token=None, on_step=None):
-    """prompt_ids [1, T] -> list of new token ids. Stops at an EOS id or after max_new_tokens."""
-    logits = prefill(model, cache, prompt_ids, on_step)
-    out = []
-    for i in range(max_new_tokens):
+def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(), on_token=None, on_step=None,
+             replay=()):
+    """prompt_ids [1, P] -> list of new token ids. Stops at an EOS id or after max_new_tokens.
+
+    Resuming: the cache may already hold positions [0, cache.length) restored from disk, and `replay` the tokens
+    generated before the interruption. Positions past the restored ones are recomputed with the first run's
+    schedule (prompt positions a chunk at a time, generated ones one at a time), so the output is bit-identical."""
+    P = prompt_ids.shape[1]
+    out = list(replay)
+    logits = None
+    if cache.length < P:
+        logits = prefill(model, cache, prompt_ids[:, cache.length:], on_step)
+    for pos in range(max(cache.length, P), P + len(out)):                 # replay the generated tokens not restored
+        logits = decode_one_token(model, cache, prompt_ids.new_tensor([[out[pos - P]]]))
+    while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
         out.append(token.item())
         if on_token:
             on_token(out)
-        if out[-1] in eos_ids or i == max_new_tokens - 1:
+        if out[-1] in eos_ids or len(out) == max_new_tokens:
             break
         logits = decode_one_token(model, cache, token)
         if on_step:
             on_step("decode", logits)
     return out
-
-
-# -----------------------------------------------------------------------------
-# one task: cache, timing, memory
-
-def host_memory():
-    """Resident memory of this process in bytes: total, anonymous (what it really holds) and file-backed
-    (mapped pages, e.g. the disk tier, that the OS may evict)."""
-    out = {"rss": 0, "anon": 0, "file": 0}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[key]] = int(val.split()[0]) * 1024
-    except OSError:  # not Linux: the peak RSS is all we can get
-        import resource
-        out["rss"] = out["anon"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return out
-
-
-def return_large_frees_to_os(threshold=1 << 20):
-    """glibc raises its mmap threshold after each large free; from then on big temporaries (the attention scores of
-    a prefill chunk) come from the heap, which fragments and is rarely trimmed, so resident memory creeps up with
-    the context although nothing holds it. A fixed threshold keeps big blocks in mmap: freed, they go back to the OS."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-def make_cache(model, cfg, chunk_size, max_length, task_id="task"):
-    a, p = model.args, next(model.parameters())
-    store = TieredStore(a.n_layers, 1, a.n_kv_heads, a.head_dim, chunk_size, max_length, p.device, p.dtype, cfg, task_id)
-    return KVCache(store)
-
-
-def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, sampling=Sampling(), task_id="task",
-             on_token=None, on_step=None):
-    """Generate for one prompt with its own cache; returns (new ids, stats) with everything measured."""
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    cache = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, task_id)
-    peak = {"anon": 0, "rss": 0, "file": 0}
-    clock = {"t": time.perf_counter(), "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def step(phase, logits):
-        sync()
-        now = time.perf_counter()
-        clock[phase + "_s"] += now - clock["t"]
-        clock["t"] = now
-        clock["decode_steps"] += phase == "decode"
-        for k, v in host_memory().items():
-            peak[k] = max(peak[k], v)
-        if on_step:
-            on_step(phase, logits, cache)
-
-    def token_cb(out):
-        if len(out) == 1:  # sampling the first token ends prefill: restart the clock for decoding
-            clock["ttft_s"] = clock["prefill_s"] + time.perf_counter() - clock["t"]
-            clock["t"] = time.perf_counter()
-        if on_token:
-            on_token(out)
-
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    try:
-        new = generate(model, cache, ids, max_new_tokens, sampling, tokenizer.eos_ids if tokenizer else (),
-                       token_cb, step)
-        store_stats = cache.store.stats()
-    finally:
-        cache.store.close()
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    stats = {
-        "prefill_s": round(clock["prefill_s"], 4),
-        "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),
-        "ttft_s": round(clock.get("ttft_s", clock["prefill_s"]), 4),
-        "decode_s": round(clock["decode_s"], 4),
-        "decode_tokens_per_s": round(clock["decode_steps"] / clock["decode_s"], 2) if clock["decode_s"] else 0.0,
-        # CUDA: the allocator's peak. CPU: weights plus the KV chunks allocated on the "device" tier.
-        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else weights + store_stats["kv_device_bytes_peak"],
-        "peak_host_rss_bytes": peak["rss"],
-        "peak_host_anon_bytes": peak["anon"],
-        "peak_host_file_bytes": peak["file"],
-        "bytes": store_stats["bytes"],
-        "chunks": store_stats["chunks"],
-    }
-    return new, stats
 
 
 # -----------------------------------------------------------------------------
@@ -207,13 +122,14 @@ def build_parser():
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (default: a built-in English paragraph)")
     g.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    g.add_argument("--prompts", help="batch: a JSONL file of {\"id\", \"prompt\"[, \"max_new_tokens\", \"temperature\", \"seed\"]}")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--max-new-tokens", type=int, help="tokens to generate (default 128; 48 in the demo)")
     n.add_argument("--max-length", type=int, help="cap on prompt plus generated tokens (default: the model's maximum)")
     p.add_argument("--chunk-size", type=int, help="positions per KV chunk, the unit of transfer (default 512; 32 in the demo)")
     p.add_argument("--window", type=int, default=4, help="sealed chunks per layer kept on the device (default 4)")
     p.add_argument("--offload", choices=MODES, help="where sealed chunks beyond the window go (default none; disk in the demo)")
-    p.add_argument("--offload-dir", default="./kv_cache_offload", help="disk tier root; each task uses DIR/<id>/")
+    p.add_argument("--offload-dir", default="./kv_cache_offload", help="disk tier root; each task uses DIR/task_<id>/")
     p.add_argument("--cpu-budget", type=float, help="GiB of host memory for offloaded chunks "
                    "(default: all the task needs with --offload cpu, 0 with --offload disk)")
     p.add_argument("--compress", choices=COMPRESSIONS, default="none", help="compress disk chunks (lossless)")
@@ -224,6 +140,12 @@ def build_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed; each step is reproducible on its own")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    b = p.add_argument_group("batch (with --prompts)")
+    b.add_argument("--output", help="RESULTS.jsonl: one line per finished task; ids already there are skipped")
+    b.add_argument("--concurrency", type=int, default=1, help="tasks run at once (default 1)")
+    b.add_argument("--keep-cache", action="store_true", help="keep a task's directory after it succeeds")
+    b.add_argument("--fallback-context", type=int, help="if the disk tier fails, continue on the last N tokens")
+    b.add_argument("--trace", help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and alerts")
     return p
 
 
@@ -237,24 +159,26 @@ def resolve(args):
         args.offload = "disk" if demo else "none"
     if args.max_new_tokens is None and args.max_length is None:
         args.max_new_tokens = 48 if demo else 128
-    if args.chunk_size <= 0:
-        raise UsageError(f"--chunk-size must be a positive number of positions, got {args.chunk_size}")
-    if args.window < 0:
-        raise UsageError(f"--window must be >= 0, got {args.window}")
-    if args.max_new_tokens is not None and args.max_new_tokens <= 0:
-        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.max_length is not None and args.max_length <= 0:
-        raise UsageError(f"--max-length must be >= 1, got {args.max_length}")
-    if args.cpu_budget is not None and args.cpu_budget < 0:
-        raise UsageError(f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}")
-    if args.compress == "zstd" and args.offload != "disk":
-        raise UsageError("--compress zstd applies to the disk tier; add --offload disk")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise UsageError("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
-    if not os.path.isdir(args.ckpt):
-        raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+    checks = [
+        (args.chunk_size > 0, f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
+        (args.window >= 0, f"--window must be >= 0, got {args.window}"),
+        (args.max_new_tokens is None or args.max_new_tokens > 0, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.max_length is None or args.max_length > 0, f"--max-length must be >= 1, got {args.max_length}"),
+        (args.cpu_budget is None or args.cpu_budget >= 0, f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}"),
+        (args.compress == "none" or args.offload == "disk", "--compress zstd applies to the disk tier; add --offload disk"),
+        (args.temperature >= 0 and args.top_k >= 0 and 0 < args.top_p <= 1,
+         "--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (not args.device.startswith("cuda") or torch.cuda.is_available(),
+         f"--device {args.device}: CUDA is not available here; use --device cpu"),
+        (os.path.isdir(args.ckpt), f"--ckpt {args.ckpt}: no such directory"),
+        (not args.prompts or args.output, "--prompts needs --output RESULTS.jsonl"),
+        (not args.output or args.prompts, "--output is for batch mode; add --prompts TASKS.jsonl"),
+        (args.concurrency >= 1, f"--concurrency must be >= 1, got {args.concurrency}"),
+        (args.fallback_context is None or args.fallback_context > 0, "--fallback-context must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UsageError(msg)
     if args.offload == "disk":
         check_writable_dir(args.offload_dir)
     if args.prompt_file:
@@ -266,7 +190,7 @@ def resolve(args):
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
-                        offload_dir=args.offload_dir, compress=args.compress)
+                        offload_dir=args.offload_dir, compress=args.compress, keep_files=args.keep_cache)
     return cfg, text
 
 
@@ -282,7 +206,7 @@ def check_writable_dir(path):
                          "choose a writable directory") from None
 
 
-def plan_lengths(args, n_prompt, model_args):
+def plan_lengths(args, n_prompt, model_args, max_new_tokens=None):
     """How many tokens to generate, checked against the model's maximum context."""
     limit = model_args.max_context
     if n_prompt == 0:
@@ -292,7 +216,7 @@ def plan_lengths(args, n_prompt, model_args):
         raise UsageError(f"--max-length {cap} is past the model's maximum context of {limit} positions")
     if n_prompt >= cap:
         raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length {cap}; shorten it")
-    new = args.max_new_tokens if args.max_new_tokens is not None else cap - n_prompt
+    new = max_new_tokens or args.max_new_tokens or cap - n_prompt
     return min(new, cap - n_prompt)
 
 
@@ -309,43 +233,77 @@ def progress_line(stats, n_prompt, n_new):
             f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s | peak device {fmt_bytes(stats['peak_device_bytes'])} | "
             f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} (anon {fmt_bytes(stats['peak_host_anon_bytes'])}) | "
             f"chunks device/host/disk {c['device']}/{c['host']}/{c['disk']} | "
-            f"h2d {fmt_bytes(b['h2d'])} d2h {fmt_bytes(b['d2h'])} disk w {fmt_bytes(b['disk_write'])} r {fmt_bytes(b['disk_read'])}")
+            f"h2d {fmt_bytes(b['h2d'])} d2h {fmt_bytes(b['d2h'])} disk w {fmt_bytes(b['disk_write'])} r {fmt_bytes(b['disk_read'])}"
+            + (f" | resumed from position {stats['resumed_from']}" if stats.get("resumed_from") else ""))
 
 
 def main(argv=None):
+    from batch import run_batch                      # batch.py and task.py build on the loop above
+    from monitor import Monitor, return_large_frees_to_os
+    from task import run_task
+    from taskdir import TaskDirError, model_fingerprint
+
     args = build_parser().parse_args(argv)
     return_large_frees_to_os()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a file-size limit then fails a write (EFBIG), not the process
     try:
         cfg, text = resolve(args)
-        model_args = ModelArgs.from_config(read_json(os.path.join(args.ckpt, "config.json")), os.path.join(args.ckpt, "config.json"))
+        config_path = os.path.join(args.ckpt, "config.json")
+        model_args = ModelArgs.from_config(read_json(config_path), config_path)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so text cannot be encoded")
-        prompt_ids = tokenizer.encode(text)
-        max_new = plan_lengths(args, len(prompt_ids), model_args)
+        if not args.prompts:  # check the prompt before loading any weight
+            plan_lengths(args, len(tokenizer.encode(text)), model_args)
+        monitor = Monitor(args.trace)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
-        printed = [""]
-
-        def stream(out):
-            if not args.json:
-                full = tokenizer.decode(out)
-                sys.stdout.write(full[len(printed[0]):])
-                sys.stdout.flush()
-                printed[0] = full
-
-        if not args.json:
-            sys.stdout.write(text)
-        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        new, stats = run_task(model, tokenizer, prompt_ids, max_new, args.chunk_size, cfg, sampling, "task_0", stream)
-    except (UsageError, CheckpointError, OffloadError) as e:
+        fingerprint = model_fingerprint(args.ckpt)
+    except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps({"id": "0", "prompt_ids": prompt_ids, "prompt_tokens": len(prompt_ids), "tokens": new,
-                          "text": tokenizer.decode(new), "stats": stats}))
-    else:
-        sys.stdout.write("\n")
-    print(progress_line(stats, len(prompt_ids), len(new)), file=sys.stderr)
+
+    def run_one(task, cfg, context=None, on_token=None):
+        ids = tokenizer.encode(task["prompt"])[-context:] if context else tokenizer.encode(task["prompt"])
+        max_new = plan_lengths(args, len(ids), model_args, task.get("max_new_tokens"))
+        sampling = Sampling(task.get("temperature", args.temperature), args.top_k, args.top_p, task.get("seed", args.seed))
+        new, stats = run_task(model, tokenizer, ids, max_new, args.chunk_size, cfg, sampling, task["id"], on_token,
+                              lambda phase, logits, cache: monitor.step(task["id"], phase, cache), fingerprint, monitor.log)
+        result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
+                  "text": tokenizer.decode(new)}
+        if context:
+            result["fallback"] = {"context": context}
+        result["stats"] = stats
+        return result
+
+    if args.prompts:
+        try:
+            return run_batch(args, model, tokenizer, cfg, fingerprint, monitor, run_one)
+        except ValueError as e:
+            print(f"generate.py: error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            monitor.close()
+
+    printed = [""]
+
+    def stream(out):  # decode everything so far and print what is new: tokens may merge into one character
+        full = tokenizer.decode(out)
+        sys.stdout.write(full[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = full
+
+    if not args.json:
+        sys.stdout.write(text)
+    monitor.task_started("0")
+    try:
+        result = run_one({"id": "0", "prompt": text}, cfg, on_token=None if args.json else stream)
+    except (UsageError, OffloadError, TaskDirError, OSError) as e:
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        monitor.close()
+    print(json.dumps(result, ensure_ascii=False) if args.json else "")
+    print(progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"])), file=sys.stderr)
     return 0
 
 

@@ -29,7 +29,6 @@ place (a disk chunk is a zero-copy view of the mapped file, so its pages belong 
 process), and a worker thread writes, reads and decompresses disk chunks off the critical path.
 """
 import os
-import shutil
 import threading
 from collections import deque
 from contextlib import nullcontext
@@ -40,9 +39,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from disk import ALIGN, DiskTier, round_up
+
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
-ALIGN = 4096  # every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
 
 
 class OffloadError(RuntimeError):
@@ -54,83 +54,10 @@ class OffloadConfig:
     mode: str = "none"                   # none | cpu | disk: where sealed chunks beyond the window go
     window: int = 4                      # W: most recent sealed chunks per layer kept on the device
     cpu_budget_gib: Optional[float] = None  # host tier size; None = as much as the task needs (cpu), 0 (disk)
-    offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/<task id>/
+    offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/task_<id>/
     compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
-    keep_files: bool = False             # leave the disk tier's files after close()
-
-
-def round_up(n, a):
-    return (n + a - 1) // a * a
-
-
-# -----------------------------------------------------------------------------
-# disk tier
-
-class DiskTier:
-    """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes. zstd: blobs appended to a file,
-    with the byte planes of each element split first (KV compresses better that way) and an in-memory index."""
-
-    def __init__(self, path, n_layers, n_chunks, shape, dtype, compress):
-        self.path, self.shape, self.dtype, self.compress = path, shape, dtype, compress
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.chunk_bytes = int(np.prod(shape)) * self.itemsize
-        self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            if compress == "zstd":
-                import zstandard
-                self.zc, self.zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
-                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-                            for l in range(n_layers)]
-                self.ends, self.index = [0] * n_layers, {}
-            else:
-                self.maps = []
-                for l in range(n_layers):
-                    f = os.path.join(path, f"layer{l}.kv")
-                    os.close(os.open(f, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600))
-                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(n_chunks * self.slot_bytes,)))
-        except OSError as e:
-            raise OffloadError(f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
-
-    def view(self, layer, j):
-        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file."""
-        start = j * self.slot_bytes
-        return torch.from_numpy(self.maps[layer][start:start + self.chunk_bytes]).view(self.dtype).view(self.shape)
-
-    def write(self, layer, j, src):
-        """src: a host tensor [2, B, G, C, D]. Returns the bytes written."""
-        if self.compress != "zstd":
-            self.view(layer, j).copy_(src)
-            return self.chunk_bytes
-        planes = src.reshape(-1).view(torch.uint8).numpy().reshape(-1, self.itemsize).T  # [itemsize, n] byte planes
-        blob = self.zc.compress(np.ascontiguousarray(planes).tobytes())
-        off = self.ends[layer]
-        os.pwrite(self.fds[layer], blob, off)
-        self.ends[layer] += len(blob)
-        self.index[(layer, j)] = (off, len(blob))
-        return len(blob)
-
-    def read_into(self, layer, j, dst):
-        """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
-        if self.compress != "zstd":
-            dst.copy_(self.view(layer, j))
-            return self.chunk_bytes
-        off, n = self.index[(layer, j)]
-        blob = os.pread(self.fds[layer], n, off)
-        if len(blob) != n:
-            raise OffloadError(f"{self.path}/layer{layer}.zst: short read of chunk {j}; the file was changed underneath")
-        planes = np.frombuffer(self.zd.decompress(blob, max_output_size=self.chunk_bytes), dtype=np.uint8)
-        dst.reshape(-1).view(torch.uint8).numpy().reshape(-1, self.itemsize)[:] = planes.reshape(self.itemsize, -1).T
-        return n
-
-    def close(self, remove):
-        if self.compress == "zstd":
-            for fd in self.fds:
-                os.close(fd)
-        self.maps = []
-        if remove:
-            shutil.rmtree(self.path, ignore_errors=True)
+    keep_files: bool = False             # keep the task's directory after success (it is always kept on failure)
 
 
 # -----------------------------------------------------------------------------
@@ -139,7 +66,11 @@ class DiskTier:
 class TieredStore:
     """The chunks of one task (one sequence batch) across device, host and disk."""
 
-    def __init__(self, n_layers, batch, kv_heads, head_dim, chunk_size, max_length, device, dtype, cfg, task_id="task"):
+    def __init__(self, n_layers, batch, kv_heads, head_dim, chunk_size, max_length, device, dtype, cfg,
+                 disk_path=None, restore=None, on_durable=None):
+        """disk_path: the task's directory for the disk tier. restore: a manifest's "chunks" to resume from
+        (see restore()). on_durable(n, chunks): called on the worker thread once chunks 0..n-1 of every layer
+        are on disk and synced, with their checksums, so the caller can write a manifest."""
         if cfg.mode not in MODES:
             raise OffloadError(f"--offload must be one of {MODES}, got {cfg.mode!r}")
         if cfg.compress not in COMPRESSIONS:
@@ -169,8 +100,10 @@ class TieredStore:
         self.host_free = list(range(host_slots - 1, -1, -1))
         self.disk = None
         if cfg.mode == "disk":
-            self.disk = DiskTier(os.path.join(cfg.offload_dir, task_id), n_layers, self.n_chunks, self.shape, dtype,
-                                 cfg.compress)
+            blobs = {(l, int(j)): tuple(c["blob"][l]) for j, c in (restore or {}).items() if c.get("blob")
+                     for l in range(n_layers)}
+            self.disk = DiskTier(disk_path or os.path.join(cfg.offload_dir, "task"), n_layers, self.n_chunks,
+                                 self.shape, dtype, cfg.compress, restore=blobs if restore else None)
 
         # device tier: the open chunk per layer, the window, and buffers returned by evictions
         self.open = [None] * n_layers
@@ -178,6 +111,8 @@ class TieredStore:
         self.free = deque()                   # (device chunk, fence) that may be reused once the fence is passed
         self.where = {}                       # (layer, j) -> "device" | ("host", slot) | "disk"
         self.written = {}                     # (layer, j) -> future of its disk write
+        self.checksums = {}                   # (layer, j) -> CRC32 of the chunk as stored on disk
+        self.on_durable, self.disk_prefix = on_durable, 0  # chunks 0..disk_prefix-1 are on disk for every layer
         self.device_buffers = 0
 
         # prefetch: staging slots, a FIFO worker thread (disk I/O, zstd, and on CUDA the copies it issues)
@@ -289,6 +224,36 @@ class TieredStore:
             self.where[(l, j)] = "device"
             if j - self.window >= 0 and self.where.get((l, j - self.window)) == "device":
                 self.offload(l, j - self.window)
+        if self.disk and all(self.where.get((l, self.disk_prefix)) == "disk" for l in range(self.n_layers)):
+            self.disk_prefix += 1
+            if self.on_durable:
+                self.worker.submit(self._durable, self.disk_prefix)
+
+    def _durable(self, n):
+        """Worker thread, after the writes of chunks < n (FIFO): sync them, then report them with checksums."""
+        self.disk.flush()
+        chunks = {j: {"crc": [self.checksums[(l, j)] for l in range(self.n_layers)],
+                      "blob": [self.disk.index[(l, j)] for l in range(self.n_layers)] if self.disk.index else None}
+                  for j in range(n)}
+        self.on_durable(n, chunks)
+
+    def restore(self, n, chunks):
+        """Adopt chunks 0..n-1 left on disk by an interrupted run, checking each against its manifest checksum.
+        Returns how many chunks were restored: the prefix before the first missing or corrupt one."""
+        for j in range(n):
+            c = chunks.get(str(j)) or chunks.get(j)
+            crcs = [self.disk.checksum(l, j) for l in range(self.n_layers)] if c else None
+            if not c or crcs != c["crc"]:
+                return self._adopt(j)
+        return self._adopt(n)
+
+    def _adopt(self, n):
+        for l in range(self.n_layers):
+            for j in range(n):
+                self.where[(l, j)] = "disk"
+                self.written[(l, j)] = self.worker.submit(lambda: None)
+        self.disk_prefix = n
+        return n
 
     def offload(self, l, j):
         """Move chunk (l, j) off the device: to the host pool while it has room, else to disk."""
@@ -316,7 +281,8 @@ class TieredStore:
         self.free.append((kv, fence))
 
     def _write(self, l, j, src):
-        self._count("disk_write", self.disk.write(l, j, src))
+        n, self.checksums[(l, j)] = self.disk.write(l, j, src)
+        self._count("disk_write", n)
 
     def _write_from_bounce(self, l, j, bounce, fence):
         fence.synchronize()  # rule 4: the device-to-host copy into the bounce has finished
@@ -365,5 +331,5 @@ class TieredStore:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         if self.disk is not None:
-            self.disk.close(remove=not self.cfg.keep_files)
+            self.disk.close()
 

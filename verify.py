@@ -17,7 +17,9 @@ import sys
 import pydoc_data.topics
 import torch
 
-from generate import DEMO_CKPT, DTYPES, UsageError, check_writable_dir, return_large_frees_to_os, run_task
+from generate import DEMO_CKPT, DTYPES, UsageError, check_writable_dir
+from monitor import return_large_frees_to_os
+from task import run_task
 from model import CheckpointError, ModelArgs, Transformer, read_json
 from offload import OffloadConfig, OffloadError
 from tokenizer import load_tokenizer

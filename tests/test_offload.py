@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from generate import Sampling, run_task
+from generate import Sampling
+from task import run_task
 from model import Transformer
 from offload import ALIGN, OffloadConfig, round_up
 
@@ -104,7 +105,7 @@ def test_cached_path_agrees_with_unchunked_reference(llama, chunk):
 
 
 def test_step_may_not_cross_a_chunk_boundary(llama):
-    from generate import make_cache
+    from task import make_cache
     cache = make_cache(llama, OffloadConfig(), 8, 64)
     with pytest.raises(ValueError, match="crosses a chunk boundary"):
         cache.begin(9)
@@ -122,7 +123,8 @@ def test_long_context_through_disk_tier(llama, tmp_path):
 MEMORY_PROBE = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
-from generate import return_large_frees_to_os, run_task
+from monitor import return_large_frees_to_os
+from task import run_task
 from offload import OffloadConfig
 from model import Transformer
 return_large_frees_to_os()  # as generate.py's main() does
@@ -171,7 +173,7 @@ def test_cuda_bit_identical_with_tiny_windows(checkpoint, tmp_path, chunk, windo
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_cuda_prefetch_runs_on_a_side_stream(checkpoint):
-    from generate import make_cache
+    from task import make_cache
     model = Transformer.from_pretrained(checkpoint(), device="cuda")
     cache = make_cache(model, OffloadConfig(mode="cpu", window=0), 16, 128)
     assert cache.store.copy_stream != torch.cuda.current_stream()

@@ -1,0 +1,171 @@
+"""
+Batch mode: many prompts from a JSONL file, run concurrently, each task with its own cache and directory.
+
+    python generate.py --ckpt DIR --prompts tasks.jsonl --output results.jsonl --concurrency 2 --offload disk
+
+Built to be killed: a result line is written whole (one write, then fsync) or not at all; a rerun of the same
+command skips ids already in the output and resumes unfinished tasks from their disk tier (see taskdir.py).
+A disk that fills up sends a task to the host tier (if --cpu-budget allows) or to a shorter context (if
+--fallback-context allows); otherwise that task fails with one line. One failed task never stops the others.
+"""
+import dataclasses
+import json
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from disk import DISK_FULL, DiskError
+from offload import OffloadError
+from taskdir import TaskDir, TaskDirError, safe_task_name
+
+TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,), "temperature": (int, float),
+               "seed": (int,)}
+
+
+def read_tasks(path):
+    """(tasks, errors): each task a dict with at least id and prompt; each error one line naming the input line."""
+    tasks, errors, seen = [], [], set()
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--prompts {path}: cannot be read ({e.strerror})") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+            except ValueError as e:
+                errors.append(f"{path} line {n}: not valid JSON ({e.msg}); skipped")
+                continue
+            problem = task_problem(task)
+            if problem:
+                errors.append(f"{path} line {n}: {problem}; skipped")
+            elif str(task["id"]) in seen:
+                errors.append(f"{path} line {n}: duplicate id {task['id']!r}; skipped (the first one runs)")
+            else:
+                seen.add(str(task["id"]))
+                tasks.append({**task, "id": str(task["id"])})
+    return tasks, errors
+
+
+def task_problem(task):
+    if not isinstance(task, dict):
+        return "not a JSON object"
+    for key in ("id", "prompt"):
+        if key not in task:
+            return f"field '{key}' is missing"
+    for key, types in TASK_FIELDS.items():
+        if key in task and (not isinstance(task[key], types) or isinstance(task[key], bool)):
+            return f"field '{key}' must be {' or '.join(t.__name__ for t in types)}"
+    if task.get("max_new_tokens", 1) < 1 or task.get("temperature", 0) < 0:
+        return "max_new_tokens must be >= 1 and temperature >= 0"
+    return None
+
+
+class Results:
+    """The output JSONL: append-only, one os.write per line followed by fsync, so a line is whole or absent."""
+
+    def __init__(self, path, log):
+        self.path, self.lock = path, threading.Lock()
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as e:
+            raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
+        self.done = set()
+        data = open(path, "rb").read()
+        if data and not data.endswith(b"\n"):  # only a crash of another writer can leave this; drop the tail
+            keep = data.rfind(b"\n") + 1
+            os.ftruncate(self.fd, keep)
+            log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
+            data = data[:keep]
+        for line in data.splitlines():
+            try:
+                self.done.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError):
+                log(f"{path}: a line that is not a result was ignored")
+
+    def append(self, result):
+        line = (json.dumps(result, ensure_ascii=False) + "\n").encode()
+        with self.lock:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+
+    def close(self):
+        os.close(self.fd)
+
+
+def run_batch(args, model, tokenizer, cfg, fingerprint, monitor, run_one):
+    """Run every task not yet in the output; returns the exit code (0 only if every task succeeded)."""
+    log = monitor.log
+    tasks, errors = read_tasks(args.prompts)
+    for e in errors:
+        log(e)
+    results = Results(args.output, log)
+    todo = [t for t in tasks if t["id"] not in results.done]
+    if len(todo) < len(tasks):
+        log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; skipping them")
+
+    def one(task):
+        monitor.task_started(task["id"])
+        try:
+            result = with_fallbacks(task, args, cfg, run_one, log)
+            results.append(result)
+            monitor.task_finished(task["id"], {**result["stats"], "new_tokens": len(result["tokens"])})
+        except Exception as e:  # one failed task never stops the others
+            monitor.task_finished(task["id"], error=one_line(e))
+            log(f"task {task['id']}: FAILED: {one_line(e)}")
+
+    with ThreadPoolExecutor(max(1, args.concurrency), thread_name_prefix="task") as pool:
+        list(pool.map(one, todo))
+    results.close()
+    for e in errors:
+        monitor.totals["failed"].append(("input", e))
+    log(monitor.summary())
+    return 1 if monitor.totals["failed"] else 0
+
+
+def with_fallbacks(task, args, cfg, run_one, log):
+    """Run a task; if its disk tier cannot be written, retry it on the host tier or on a shorter context.
+    Every tier gives bit-identical output, so the host fallback changes nothing but where the bytes live."""
+    try:
+        return run_one(task, cfg)
+    except (DiskError, OSError) as e:
+        if cfg.mode != "disk" or e.errno not in DISK_FULL:
+            raise
+        cause = f"{e.strerror or e} in {os.path.join(cfg.offload_dir, safe_task_name(task['id']))}"
+    if args.cpu_budget:
+        log(f"task {task['id']}: the disk tier failed ({cause}); falling back to host memory (--cpu-budget {args.cpu_budget} GiB)")
+        try:
+            result = run_one(task, dataclasses.replace(cfg, mode="cpu"))
+            discard_task_dir(cfg.offload_dir, task["id"])
+            return result
+        except OffloadError as e:
+            log(f"task {task['id']}: host fallback impossible: {e}")
+    if args.fallback_context:
+        log(f"task {task['id']}: the disk tier failed ({cause}); continuing on the last {args.fallback_context} "
+            "tokens of the context, on the device")
+        result = run_one(task, dataclasses.replace(cfg, mode="none"), context=args.fallback_context)
+        discard_task_dir(cfg.offload_dir, task["id"])
+        return result
+    raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a fallback with "
+                       "--cpu-budget GIB or --fallback-context N")
+
+
+def discard_task_dir(root, task_id):
+    """The disk tier's leftovers are useless once the task finished elsewhere: remove them (if we can)."""
+    try:
+        TaskDir(root, task_id).close(remove=True)
+    except (TaskDirError, OSError):
+        pass
+
+
+def one_line(e):
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit("run batches through generate.py --prompts TASKS.jsonl --output RESULTS.jsonl")

@@ -1,0 +1,147 @@
+"""
+The disk tier: np.memmap files (or zstd blobs) in one directory per task, and the careful I/O around them.
+
+On CPU a raw chunk is read in place: `view()` is a zero-copy tensor over the mapped file, so its pages belong
+to the page cache (RssFile, which the OS may evict), not to the process (RssAnon). On CUDA the store copies
+chunks through pinned bounce buffers with `read_into()` / `write()`.
+"""
+import errno
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+
+ALIGN = 4096  # every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
+
+
+def round_up(n, a):
+    return (n + a - 1) // a * a
+
+
+class DiskTier:
+    """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes, its space reserved up front so that a
+    full disk is an error at the start, never a SIGBUS in the middle of a run. zstd: blobs appended to a file, the
+    byte planes of each element split first (KV compresses better that way), with an index (offset, length).
+    Every write returns a CRC32 of what it stored, so a manifest can vouch for the chunk after a crash."""
+
+    def __init__(self, path, n_layers, n_chunks, shape, dtype, compress, restore=None):
+        self.path, self.shape, self.dtype, self.compress = path, shape, dtype, compress
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.chunk_bytes = int(np.prod(shape)) * self.itemsize
+        self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
+        self.index = {}  # zstd: (layer, j) -> (offset, length)
+        flags = os.O_RDWR | os.O_CREAT | (0 if restore else os.O_TRUNC)
+        try:
+            if compress == "zstd":
+                import zstandard
+                self.zc, self.zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), flags, 0o600) for l in range(n_layers)]
+                for (l, j), (off, n) in (restore or {}).items():
+                    self.index[(l, j)] = (off, n)
+                self.ends = [max([o + n for (l2, _), (o, n) in self.index.items() if l2 == l], default=0)
+                             for l in range(n_layers)]
+            else:
+                self.maps = []
+                for l in range(n_layers):
+                    f = os.path.join(path, f"layer{l}.kv")
+                    fd = os.open(f, flags, 0o600)
+                    try:
+                        reserve(fd, n_chunks * self.slot_bytes)
+                    finally:
+                        os.close(fd)
+                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(n_chunks * self.slot_bytes,)))
+        except OSError as e:
+            raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
+
+    def view(self, layer, j):
+        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file."""
+        start = j * self.slot_bytes
+        return torch.from_numpy(self.maps[layer][start:start + self.chunk_bytes]).view(self.dtype).view(self.shape)
+
+    def write(self, layer, j, src):
+        """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored bytes)."""
+        if self.compress != "zstd":
+            dst = self.view(layer, j)
+            dst.copy_(src)
+            return self.chunk_bytes, zlib.crc32(as_bytes(dst))
+        planes = as_bytes(src).reshape(-1, self.itemsize).T   # [itemsize, n]: all low bytes, then all high bytes
+        blob = self.zc.compress(np.ascontiguousarray(planes).tobytes())
+        off = self.ends[layer]
+        retry(lambda: os.pwrite(self.fds[layer], blob, off))
+        self.ends[layer] += len(blob)
+        self.index[(layer, j)] = (off, len(blob))
+        return len(blob), zlib.crc32(blob)
+
+    def read_into(self, layer, j, dst):
+        """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
+        if self.compress != "zstd":
+            dst.copy_(self.view(layer, j))
+            return self.chunk_bytes
+        planes = np.frombuffer(self.zd.decompress(self.blob(layer, j), max_output_size=self.chunk_bytes), np.uint8)
+        as_bytes(dst).reshape(-1, self.itemsize)[:] = planes.reshape(self.itemsize, -1).T
+        return self.index[(layer, j)][1]
+
+    def blob(self, layer, j):
+        off, n = self.index[(layer, j)]
+        data = retry(lambda: os.pread(self.fds[layer], n, off))
+        if len(data) != n:
+            raise OSError(errno.EIO, f"{self.path}/layer{layer}.zst: short read of chunk {j}")
+        return data
+
+    def checksum(self, layer, j):
+        """CRC32 of chunk j as stored now (to check a restored chunk against its manifest)."""
+        if self.compress == "zstd":
+            return zlib.crc32(self.blob(layer, j)) if (layer, j) in self.index else None
+        return zlib.crc32(as_bytes(self.view(layer, j)))
+
+    def flush(self):
+        """Make every write so far durable (msync / fsync) before a manifest vouches for it."""
+        for m in getattr(self, "maps", []):
+            m.flush()
+        for fd in getattr(self, "fds", []):
+            os.fsync(fd)
+
+    def close(self):
+        for fd in getattr(self, "fds", []):
+            os.close(fd)
+        self.fds, self.maps = [], []
+
+
+class DiskError(OSError):
+    """The disk tier cannot be created or written; errno tells why (DISK_FULL lists the ones a fallback can cure)."""
+
+
+DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM)
+TRANSIENT = (errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY)
+
+
+def retry(op, attempts=4, delay=0.05):
+    """Retry an I/O call on errors that may pass (EIO, EAGAIN, EINTR, EBUSY), backing off 4x each time."""
+    for i in range(attempts):
+        try:
+            return op()
+        except OSError as e:
+            if e.errno in DISK_FULL:
+                raise DiskError(e.errno, e.strerror) from None
+            if e.errno not in TRANSIENT or i == attempts - 1:
+                raise
+            time.sleep(delay * 4 ** i)
+
+
+def reserve(fd, nbytes):
+    """Allocate the file's blocks now (posix_fallocate); fall back to a sparse file where the FS cannot."""
+    if os.fstat(fd).st_size >= nbytes:
+        return
+    try:
+        retry(lambda: os.posix_fallocate(fd, 0, nbytes))
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, nbytes)
+
+
+def as_bytes(t):
+    """A contiguous CPU tensor's bytes as a flat uint8 numpy array (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
