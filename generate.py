@@ -124,10 +124,10 @@ def build_parser():
     g.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     g.add_argument("--prompts", help="batch: a JSONL file of {\"id\", \"prompt\"[, \"max_new_tokens\", \"temperature\", \"seed\"]}")
     n = p.add_mutually_exclusive_group()
-    n.add_argument("--max-new-tokens", type=int, help="tokens to generate (default 128; 48 in the demo)")
+    n.add_argument("--max-new-tokens", type=int, help="tokens to generate (default 128; 64 in the demo)")
     n.add_argument("--max-length", type=int, help="cap on prompt plus generated tokens (default: the model's maximum)")
-    p.add_argument("--chunk-size", type=int, help="positions per KV chunk, the unit of transfer (default 512; 32 in the demo)")
-    p.add_argument("--window", type=int, default=4, help="sealed chunks per layer kept on the device (default 4)")
+    p.add_argument("--chunk-size", type=int, help="positions per KV chunk, the unit of transfer (default 512; 16 in the demo)")
+    p.add_argument("--window", type=int, help="sealed chunks per layer kept on the device (default 4; 1 in the demo)")
     p.add_argument("--offload", choices=MODES, help="where sealed chunks beyond the window go (default none; disk in the demo)")
     p.add_argument("--offload-dir", default="./kv_cache_offload", help="disk tier root; each task uses DIR/task_<id>/")
     p.add_argument("--cpu-budget", type=float, help="GiB of host memory for offloaded chunks "
@@ -154,11 +154,13 @@ def resolve(args):
     demo = args.ckpt is None
     args.ckpt = args.ckpt or DEMO_CKPT
     if args.chunk_size is None:
-        args.chunk_size = 32 if demo else 512
+        args.chunk_size = 16 if demo else 512
+    if args.window is None:
+        args.window = 1 if demo else 4
     if args.offload is None:
         args.offload = "disk" if demo else "none"
     if args.max_new_tokens is None and args.max_length is None:
-        args.max_new_tokens = 48 if demo else 128
+        args.max_new_tokens = 64 if demo else 128
     checks = [
         (args.chunk_size > 0, f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
         (args.window >= 0, f"--window must be >= 0, got {args.window}"),

@@ -1,7 +1,8 @@
 """
 What a long job is doing: process memory, a trace with one event per step, alerts, and the closing summary.
 
-    --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss",
+    --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated" (CUDA: the allocator's; CPU: the
+                           KV bytes on the device tier), "device_peak", "host_rss",
                            "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved since the task's last
                            event, "chunks": {device, host, disk}}, plus {"alert": ...} events
     alerts (stderr + trace): a task running over 2x the mean time of finished tasks; host memory over 80% of the
@@ -91,7 +92,8 @@ class Monitor:
         self.last[task] = moved
         chunks = store.stats()["chunks"]
         self._emit({"t": time.time(), "task": task, "phase": phase, "position": cache.length,
-                    "device_allocated": torch.cuda.memory_allocated(store.device) if cuda else store.device_bytes(),
+                    "device_allocated": torch.cuda.memory_allocated(store.device) if cuda
+                    else store.kv_bytes_on_device(cache.length % cache.chunk_size),
                     "device_peak": torch.cuda.max_memory_allocated(store.device) if cuda else store.peak_device_bytes,
                     "host_rss": mem["rss"], "host_anon": mem["anon"],
                     "bytes": {k: moved[k] - prev[k] for k in moved}, "chunks": chunks})

@@ -319,6 +319,12 @@ class TieredStore:
         """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
         return (self.device_buffers + len(self.slots)) * self.slot_bytes
 
+    def kv_bytes_on_device(self, open_positions):
+        """KV bytes in use on the device now: window chunks, filled part of the open chunks, busy staging slots."""
+        per_position = self.chunk_bytes // self.chunk_size
+        busy = len(self.slots) - len(self.slot_free)
+        return (len(self.resident) + busy) * self.chunk_bytes + self.n_layers * open_positions * per_position
+
     def stats(self):
         tiers = {"device": sum(o is not None for o in self.open), "host": 0, "disk": 0}
         for w in self.where.values():

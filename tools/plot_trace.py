@@ -1,0 +1,76 @@
+"""
+Draw a trace written by `generate.py --trace TRACE.jsonl`: device memory, host memory and bytes moved per tier
+over time, one line per task, alerts as vertical marks.
+
+    python tools/plot_trace.py TRACE.jsonl -o trace.png
+
+matplotlib is an optional dependency: `pip install matplotlib`.
+"""
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+
+def load(path):
+    steps, alerts = defaultdict(list), []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                e = json.loads(line)
+            except ValueError:
+                print(f"{path} line {n}: not JSON; skipped", file=sys.stderr)
+                continue
+            (alerts if "alert" in e else steps[e["task"]]).append(e)
+    return steps, alerts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="TRACE.jsonl from generate.py --trace")
+    p.add_argument("-o", "--output", default="trace.png", help="image to write (default trace.png)")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot_trace.py: error: matplotlib is not installed; pip install matplotlib", file=sys.stderr)
+        return 2
+    try:
+        steps, alerts = load(args.trace)
+    except OSError as e:
+        print(f"plot_trace.py: error: {args.trace}: {e.strerror}", file=sys.stderr)
+        return 2
+    if not steps:
+        print(f"plot_trace.py: error: {args.trace} has no step events", file=sys.stderr)
+        return 2
+    t0 = min(e["t"] for events in steps.values() for e in events)
+    mib = 1 / 2**20
+    fig, (ax_dev, ax_host, ax_io) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    for task, events in sorted(steps.items()):
+        t = [e["t"] - t0 for e in events]
+        ax_dev.plot(t, [e["device_allocated"] * mib for e in events], label=f"task {task}")
+        ax_host.plot(t, [e["host_rss"] * mib for e in events], label=f"rss, task {task}")
+        ax_host.plot(t, [e["host_anon"] * mib for e in events], "--", label=f"anon, task {task}")
+        for key, style in (("d2h", "-"), ("h2d", ":"), ("disk_write", "-."), ("disk_read", "--")):
+            ax_io.plot(t, [e["bytes"][key] * mib for e in events], style, label=f"{key}, task {task}")
+    for a in alerts:
+        for ax in (ax_dev, ax_host, ax_io):
+            ax.axvline(a["t"] - t0, color="red", alpha=0.4)
+    ax_dev.set_ylabel("device MiB\n(KV on the device)")
+    ax_host.set_ylabel("host MiB")
+    ax_io.set_ylabel("MiB moved\nper step")
+    ax_io.set_xlabel("seconds")
+    for ax in (ax_dev, ax_host, ax_io):
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{args.trace}: {len(steps)} task(s), {len(alerts)} alert(s)")
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=100)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
