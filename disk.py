@@ -6,6 +6,7 @@ to the page cache (RssFile, which the OS may evict), not to the process (RssAnon
 chunks through pinned bounce buffers with `read_into()` / `write()`.
 """
 import errno
+import mmap
 import os
 import time
 import zlib
@@ -59,6 +60,10 @@ class DiskTier:
         """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file."""
         start = j * self.slot_bytes
         return torch.from_numpy(self.maps[layer][start:start + self.chunk_bytes]).view(self.dtype).view(self.shape)
+
+    def advise(self, layer, j):
+        """Raw tier: ask the OS to read chunk j into the page cache now (a no-op for pages already there)."""
+        self.maps[layer]._mmap.madvise(mmap.MADV_WILLNEED, j * self.slot_bytes, self.slot_bytes)
 
     def write(self, layer, j, src):
         """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored bytes)."""

@@ -150,9 +150,17 @@ class TieredStore:
         while self.inflight:  # a step that failed half-way left copies in flight: let them land first
             self.inflight.popleft()[3].result()
         self.slot_free = list(range(len(self.slots) - 1, -1, -1))
-        self.queue = deque((l, j) for l in range(self.n_layers) for j in range(n_sealed)
-                           if self.staged and self.where[(l, j)] != "device")
-        self._pump()
+        order = [(l, j) for l in range(self.n_layers) for j in range(n_sealed) if self.where[(l, j)] != "device"]
+        if self.staged:
+            self.queue = deque(order)
+            self._pump()
+        elif self.disk is not None and order:  # CPU, raw disk: attention reads the mapping in place; ask the OS
+            self.worker.submit(self._advise, order)  # to page in, ahead of use, whatever it has evicted
+
+    def _advise(self, order):
+        for l, j in order:
+            if self.where[(l, j)] == "disk":
+                self.disk.advise(l, j)
 
     def _pump(self):
         while self.queue and self.slot_free:
@@ -335,7 +343,7 @@ class TieredStore:
         if self.worker is not None:
             self.worker.shutdown(wait=True)
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self.copy_stream.synchronize()  # no copy may still read or write a buffer about to be freed
         if self.disk is not None:
             self.disk.close()
 
