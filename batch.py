@@ -74,7 +74,8 @@ class Results:
         except OSError as e:
             raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
         self.done = set()
-        data = open(path, "rb").read()
+        with open(path, "rb") as f:
+            data = f.read()
         if data and not data.endswith(b"\n"):  # only a crash of another writer can leave this; drop the tail
             keep = data.rfind(b"\n") + 1
             os.ftruncate(self.fd, keep)
@@ -136,11 +137,12 @@ def with_fallbacks(task, args, cfg, run_one, log):
     except (DiskError, OSError) as e:
         if cfg.mode != "disk" or e.errno not in DISK_FULL:
             raise
-        cause = f"{e.strerror or e} in {os.path.join(cfg.offload_dir, safe_task_name(task['id']))}"
+        where = os.path.join(cfg.offload_dir, safe_task_name(task["id"]))
+        cause = str(e.strerror or e) + ("" if where in str(e.strerror) else f" in {where}")
     if args.cpu_budget:
         log(f"task {task['id']}: the disk tier failed ({cause}); falling back to host memory (--cpu-budget {args.cpu_budget} GiB)")
         try:
-            result = run_one(task, dataclasses.replace(cfg, mode="cpu"))
+            result = run_one(task, dataclasses.replace(cfg, mode="cpu", compress="none"))
             discard_task_dir(cfg.offload_dir, task["id"])
             return result
         except OffloadError as e:
@@ -148,7 +150,7 @@ def with_fallbacks(task, args, cfg, run_one, log):
     if args.fallback_context:
         log(f"task {task['id']}: the disk tier failed ({cause}); continuing on the last {args.fallback_context} "
             "tokens of the context, on the device")
-        result = run_one(task, dataclasses.replace(cfg, mode="none"), context=args.fallback_context)
+        result = run_one(task, dataclasses.replace(cfg, mode="none", compress="none"), context=args.fallback_context)
         discard_task_dir(cfg.offload_dir, task["id"])
         return result
     raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a fallback with "

@@ -33,7 +33,7 @@ class DiskTier:
         self.chunk_bytes = int(np.prod(shape)) * self.itemsize
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.index = {}  # zstd: (layer, j) -> (offset, length)
-        flags = os.O_RDWR | os.O_CREAT | (0 if restore else os.O_TRUNC)
+        flags = os.O_RDWR | os.O_CREAT | (0 if restore is not None else os.O_TRUNC)  # resuming raw passes {}
         try:
             if compress == "zstd":
                 import zstandard
@@ -74,7 +74,9 @@ class DiskTier:
         planes = as_bytes(src).reshape(-1, self.itemsize).T   # [itemsize, n]: all low bytes, then all high bytes
         blob = self.zc.compress(np.ascontiguousarray(planes).tobytes())
         off = self.ends[layer]
-        retry(lambda: os.pwrite(self.fds[layer], blob, off))
+        done = 0
+        while done < len(blob):  # pwrite may write less (a file-size limit): the next call then says why
+            done += retry(lambda: os.pwrite(self.fds[layer], memoryview(blob)[done:], off + done))
         self.ends[layer] += len(blob)
         self.index[(layer, j)] = (off, len(blob))
         return len(blob), zlib.crc32(blob)

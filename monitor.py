@@ -114,6 +114,7 @@ class Monitor:
         with self.lock:
             t = self.totals
             if error is not None:
+                self.started.pop(task, None)
                 t["failed"].append((task, error))
             else:
                 self.durations.append(time.perf_counter() - self.started.pop(task, time.perf_counter()))

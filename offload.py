@@ -24,9 +24,10 @@ Stream ordering on CUDA (../DESIGN.md section 3), each marked in the code as "ru
     3. a staging slot is overwritten only after the compute that last read it has finished;
     4. a pinned bounce buffer is read or refilled by the CPU only after the copy into/out of it has finished;
     5. a device buffer given back to the pool is reused only after the copy out of it has finished.
-On CPU there are no streams: "device" and host are the same memory, host chunks and raw disk chunks are read in
-place (a disk chunk is a zero-copy view of the mapped file, so its pages belong to the page cache, not to the
-process), and a worker thread writes, reads and decompresses disk chunks off the critical path.
+On CPU there are no streams: "device" and host are the same memory. Without compression, host chunks and raw disk
+chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages belong to the page
+cache, not to the process) and the worker thread writes disk chunks and asks the OS to page them in ahead of use;
+with zstd, the worker decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
 """
 import os
 import threading
@@ -113,6 +114,7 @@ class TieredStore:
         self.written = {}                     # (layer, j) -> future of its disk write
         self.checksums = {}                   # (layer, j) -> CRC32 of the chunk as stored on disk
         self.on_durable, self.disk_prefix = on_durable, 0  # chunks 0..disk_prefix-1 are on disk for every layer
+        self.durable = None                   # future of the last manifest write
         self.device_buffers = 0
 
         # prefetch: staging slots, a FIFO worker thread (disk I/O, zstd, and on CUDA the copies it issues)
@@ -171,8 +173,11 @@ class TieredStore:
     def _stage(self, l, j, slot):
         """Worker thread: bring chunk (l, j) into staging slot `slot`."""
         where, dst = self.where[(l, j)], self.slots[slot]
-        if not self.cuda:  # CPU: only zstd chunks are staged; decompress straight into the slot
-            self._count("disk_read", self.disk.read_into(l, j, dst))
+        if not self.cuda:  # CPU: staged only with zstd; decompress a disk chunk straight into the slot
+            if where == "disk":
+                self._count("disk_read", self.disk.read_into(l, j, dst))
+            else:  # a host-pool chunk (--cpu-budget): attention reads the slot, so copy it there
+                dst.copy_(self.host[where[1]])
             return
         if where == "disk":
             bounce = self.bounces[slot]
@@ -232,10 +237,12 @@ class TieredStore:
             self.where[(l, j)] = "device"
             if j - self.window >= 0 and self.where.get((l, j - self.window)) == "device":
                 self.offload(l, j - self.window)
+        if self.durable is not None and self.durable.done() and self.durable.exception():
+            raise self.durable.exception()  # the last manifest could not be written: the disk tier is failing
         if self.disk and all(self.where.get((l, self.disk_prefix)) == "disk" for l in range(self.n_layers)):
             self.disk_prefix += 1
             if self.on_durable:
-                self.worker.submit(self._durable, self.disk_prefix)
+                self.durable = self.worker.submit(self._durable, self.disk_prefix)
 
     def _durable(self, n):
         """Worker thread, after the writes of chunks < n (FIFO): sync them, then report them with checksums."""
@@ -253,6 +260,8 @@ class TieredStore:
             crcs = [self.disk.checksum(l, j) for l in range(self.n_layers)] if c else None
             if not c or crcs != c["crc"]:
                 return self._adopt(j)
+            for l, crc in enumerate(crcs):  # the next manifest vouches for the restored chunks too
+                self.checksums[(l, j)] = crc
         return self._adopt(n)
 
     def _adopt(self, n):

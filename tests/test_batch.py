@@ -1,0 +1,548 @@
+"""
+Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with byte-identical results, a disk
+that fills up for real (RLIMIT_FSIZE), corrupt chunks and foreign manifests, hostile ids, two users of one task
+directory, owner-only files, the monitor's alerts and trace, and bad input lines.
+
+generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere generate.main()
+runs in-process, which is the same code minus ~3 s of importing torch.
+"""
+import errno
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pydoc_data.topics
+import pytest
+import torch
+
+import generate
+from model import Transformer
+from monitor import Monitor
+from offload import ALIGN, OffloadConfig, TieredStore, round_up
+from task import run_task
+from taskdir import TaskDir, TaskDirError, safe_task_name
+from tokenizer import load_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOPICS = pydoc_data.topics.topics  # English text every Python carries; the test tokenizer was trained on it
+C = 16                              # chunk size of every run here
+DISK = ["--offload", "disk", "--chunk-size", str(C), "--window", "1"]
+SHORT = {"id": "short", "prompt": TOPICS["pass"][:150], "max_new_tokens": 4}  # ~40 tokens: 3 chunks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # a tiny model gains nothing from more threads, and on a shared machine OpenMP's barriers make 2 threads ~50x
+    # slower than 1; children get OMP_NUM_THREADS=1 for the same reason (and so compute exactly what we compute)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def lm(text_ckpt):
+    """(model, tokenizer) in this process, for run_task and for references."""
+    return Transformer.from_pretrained(text_ckpt), load_tokenizer(text_ckpt)
+
+
+def write_tasks(path, tasks):
+    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return path
+
+
+def batch_args(ckpt, tasks, output, offload_dir, *flags):
+    return ["--ckpt", ckpt, "--prompts", tasks, "--output", output, "--offload-dir", offload_dir, *flags]
+
+
+def child(argv, **kwargs):
+    """generate.py in a child process (not waited for). No .pyc writes: under RLIMIT_FSIZE one could raise SIGXFSZ
+    before generate.py gets to ignore it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), *map(str, argv)], env=env, text=True,
+                            **kwargs)
+
+
+def run_child(argv, **kwargs):
+    p = child(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kwargs)
+    _, err = p.communicate(timeout=300)
+    return p.returncode, err
+
+
+def run_main(argv, capsys):
+    """generate.py's main() in this process: (exit code, stderr)."""
+    capsys.readouterr()
+    rc = generate.main([str(a) for a in argv])
+    return rc, capsys.readouterr().err
+
+
+def results(path):
+    """[(raw line, parsed dict)] of a RESULTS.jsonl; every line must be whole and parse."""
+    data = path.read_text(encoding="utf-8")
+    assert data == "" or data.endswith("\n"), f"partial last line in {path}: {data[-80:]!r}"
+    return [(line, json.loads(line)) for line in data.splitlines()]
+
+
+def by_id(path):
+    return {r["id"]: r for _, r in results(path)}
+
+
+def before_stats(line):
+    """The raw text of a result line before its "stats" object (timings, resumed_from): the part a rerun must
+    reproduce byte for byte. The writer keeps keys in a fixed order with stats last."""
+    assert json.loads(line).keys() >= {"id", "stats"} and list(json.loads(line))[-1] == "stats", line[:200]
+    return line[:line.rindex(', "stats": ')]
+
+
+def slot_bytes(model):
+    a = model.args
+    return round_up(2 * a.n_kv_heads * C * a.head_dim * 4, ALIGN)  # one chunk [2, B=1, G, C, D] in fp32
+
+
+# -----------------------------------------------------------------------------
+# SIGKILL in the middle of a long task, then the same command again
+
+LONG = {"id": "long", "prompt": TOPICS["await"], "max_new_tokens": 200}  # ~140 prompt tokens, no early EOS
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(text_ckpt, tmp_path_factory):
+    """The kill test's batch (a short task, then a long one) run once without interruption: (tasks, lines by id)."""
+    d = tmp_path_factory.mktemp("uninterrupted")
+    tasks = write_tasks(d / "tasks.jsonl", [SHORT, LONG])
+    rc = generate.main(batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK))
+    assert rc == 0
+    lines = {r["id"]: line for line, r in results(d / "results.jsonl")}
+    assert list(lines) == ["short", "long"]
+    assert len(json.loads(lines["long"])["tokens"]) == LONG["max_new_tokens"]  # no EOS: decode runs to the end
+    return tasks, lines
+
+
+def read_manifest(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_path, capsys, uninterrupted, compress):
+    """Kill -9 while the long task decodes; the same command again skips the finished short task, resumes the long
+    one from its disk tier, and writes the lines an uninterrupted run writes (stats aside). The reference ran with
+    raw chunks; the zstd variant must match it too, as every tier is bit-identical. (The rerun runs in-process.)"""
+    tasks, reference = uninterrupted
+    P = json.loads(reference["long"])["prompt_tokens"]
+    output, offload_dir = tmp_path / "results.jsonl", tmp_path / "off"
+    argv = batch_args(text_ckpt, tasks, output, offload_dir, *DISK, "--compress", compress)
+
+    manifest_path = offload_dir / safe_task_name("long") / "manifest.json"
+    with open(tmp_path / "killed.err", "w") as err:
+        p = child(argv, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # poll the long task's checkpoint until it vouches for decoded tokens
+            m = read_manifest(manifest_path)
+            if m and len(m["tokens"]) >= P + 10 and len(m["chunks"]) >= 2:
+                break
+            assert p.poll() is None, f"generate.py ended (rc {p.returncode}) before the kill: {err.name}"
+            assert time.monotonic() < deadline, "the long task never reached its decode phase"
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+    killed = results(output)
+    assert [r["id"] for _, r in killed] == ["short"], "the kill must land while the long task decodes"
+    m = read_manifest(manifest_path)
+    assert len(m["tokens"]) < P + LONG["max_new_tokens"]
+
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert "1 of 2 tasks already in" in err and "1 resumed" in err, err
+    lines = results(output)
+    assert [r["id"] for _, r in lines] == ["short", "long"], "the finished task ran again or the long one is missing"
+    assert lines[0][0] == killed[0][0]  # the short task's line is the one written before the kill, untouched
+    for line, r in lines:
+        ref = reference[r["id"]]
+        assert before_stats(line) == before_stats(ref), f"task {r['id']}: the result differs from the reference"
+        assert {k: v for k, v in r.items() if k != "stats"} == {k: v for k, v in json.loads(ref).items() if k != "stats"}
+    resumed = lines[1][1]["stats"]["resumed_from"]
+    assert resumed > 0 and resumed % C == 0, f"the long task did not resume from its disk tier: {resumed}"
+
+
+# -----------------------------------------------------------------------------
+# a disk that fills up: RLIMIT_FSIZE in the child, so the disk tier's writes fail with EFBIG
+
+LIMIT = 40 * 1024  # bytes per file: the short task's disk tier fits, the long task's does not
+FULL_LONG = {"id": "long", "prompt": TOPICS["else"], "max_new_tokens": 16}  # ~340 prompt tokens
+
+
+def limited():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, LIMIT))
+
+
+@pytest.fixture
+def full_disk(lm, tmp_path, text_ckpt):
+    """(argv, output, offload dir, long prompt ids) of a batch [short, long] on the disk tier, where under LIMIT the
+    short task's disk tier fits and the long task's does not."""
+    model, tok = lm
+    per_file = {t["id"]: -(-(len(tok.encode(t["prompt"])) + t["max_new_tokens"]) // C) * slot_bytes(model)
+                for t in (SHORT, FULL_LONG)}  # the raw tier reserves n_chunks * slot_bytes per layer file
+    assert per_file["short"] < LIMIT < per_file["long"] // 2, per_file  # // 2: zstd's blobs overflow it too
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT, FULL_LONG])
+    output, offload_dir = tmp_path / "results.jsonl", tmp_path / "off"
+    return batch_args(text_ckpt, tasks, output, offload_dir, *DISK), output, offload_dir, tok.encode(FULL_LONG["prompt"])
+
+
+def test_disk_full_falls_back_to_host_memory(full_disk, capsys):
+    argv, output, offload_dir, _ = full_disk
+    rc, err = run_child(argv + ["--cpu-budget", "1"], preexec_fn=limited)
+    assert rc == 0, err
+    assert "task long: the disk tier failed" in err and "falling back to host memory" in err, err
+    got = by_id(output)
+    assert got["long"]["stats"]["chunks"]["host"] > 0 and got["long"]["stats"]["chunks"]["disk"] == 0
+    plain = output.with_name("plain.jsonl")
+    rc, _ = run_main(argv[:4] + ["--output", plain, "--offload", "none", "--chunk-size", C], capsys)
+    assert rc == 0
+    assert got["long"]["tokens"] == by_id(plain)["long"]["tokens"]
+    assert not (offload_dir / safe_task_name("long")).exists()  # the useless disk tier is cleaned away
+
+
+def test_disk_full_without_fallback_fails_that_task_alone(full_disk):
+    argv, output, offload_dir, _ = full_disk
+    rc, err = run_child(argv, preexec_fn=limited)
+    assert rc != 0
+    assert "Traceback" not in err, err
+    failed = [l for l in err.splitlines() if l.startswith("task long: FAILED")]
+    assert len(failed) == 1, err
+    assert str(offload_dir / safe_task_name("long")) in failed[0] and os.strerror(errno.EFBIG) in failed[0], failed
+    assert [r["id"] for _, r in results(output)] == ["short"]  # whole, parseable lines only, and the other task
+
+
+def test_disk_full_falls_back_to_shorter_context(full_disk, lm):
+    """With zstd, the file fills while chunks are written (a short pwrite, then EFBIG), mid-prefill, rather than
+    when the raw tier reserves it (the two tests above); the fallback runs on the device, uncompressed."""
+    argv, output, _, long_ids = full_disk
+    N = 64
+    rc, err = run_child(argv + ["--compress", "zstd", "--fallback-context", N], preexec_fn=limited)
+    assert rc == 0, err
+    assert f"continuing on the last {N} tokens" in err, err
+    r = by_id(output)["long"]
+    assert r["fallback"] == {"context": N} and r["prompt_tokens"] == N and r["prompt_ids"] == long_ids[-N:]
+    model, tok = lm
+    new, _ = run_task(model, tok, long_ids[-N:], FULL_LONG["max_new_tokens"], C, OffloadConfig())
+    assert r["tokens"] == new
+
+
+def test_zstd_disk_tier_with_a_host_pool(lm, tmp_path):
+    """--offload disk --compress zstd --cpu-budget: the first evicted chunks go to the host pool, the rest are
+    compressed to disk; both kinds are staged for attention."""
+    model, tok = lm
+    ids = tok.encode(TOPICS["await"])[:100]
+    ref, _ = run_task(model, tok, ids, 8, C, OffloadConfig())
+    cfg = OffloadConfig(mode="disk", window=1, compress="zstd", offload_dir=str(tmp_path),
+                        cpu_budget_gib=4 * slot_bytes(model) / 2**30)
+    new, stats = run_task(model, tok, ids, 8, C, cfg)
+    assert stats["chunks"]["host"] == 4 and stats["chunks"]["disk"] > 0, stats
+    assert new == ref
+
+
+# -----------------------------------------------------------------------------
+# the disk tier as a checkpoint: resume, corrupt chunks, foreign manifests (run_task directly)
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def ids_and_reference(lm):
+    model, tok = lm
+    ids = tok.encode(TOPICS["await"])[:100]
+    return ids, run_task(model, tok, ids, NEW, C, OffloadConfig())[0]
+
+
+def run_kept(lm, ids, offload_dir, compress="none", chunk=C, fingerprint="model-a", on_token=None):
+    """run_task on the disk tier, keeping its directory and manifest after success: (new ids, stats, log)."""
+    log = []
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(offload_dir), compress=compress, keep_files=True)
+    new, stats = run_task(lm[0], lm[1], ids, NEW, chunk, cfg, task_id="t", on_token=on_token,
+                          fingerprint=fingerprint, log=log.append)
+    return new, stats, log
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_rerun_resumes_from_the_disk_tier(lm, ids_and_reference, tmp_path, compress):
+    ids, ref = ids_and_reference
+    new, stats, log = run_kept(lm, ids, tmp_path, compress)
+    assert new == ref and stats["resumed_from"] == 0 and log == []
+    new, stats, log = run_kept(lm, ids, tmp_path, compress)
+    assert new == ref and log == []
+    assert stats["resumed_from"] >= 2 * C, stats["resumed_from"]
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_crashed_run_resumes_and_its_rerun_keeps_checkpointing(lm, ids_and_reference, tmp_path, compress):
+    """A task that dies mid-decode (here: an exception from on_token) keeps its directory; the rerun resumes and,
+    as it goes, writes manifests that vouch for the restored chunks as well as its own."""
+    ids, ref = ids_and_reference
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_20(out):
+        if len(out) == 20:
+            raise Crash
+    with pytest.raises(Crash):
+        run_kept(lm, ids, tmp_path, compress, on_token=crash_at_20)
+    manifest = tmp_path / safe_task_name("t") / "manifest.json"
+    before = read_manifest(manifest)
+    new, stats, log = run_kept(lm, ids, tmp_path, compress)
+    assert new == ref and log == [] and stats["resumed_from"] >= 2 * C
+    after = read_manifest(manifest)
+    assert len(after["chunks"]) > len(before["chunks"]) and len(after["tokens"]) > len(before["tokens"])
+    assert after["tokens"] == ids + ref[:len(after["tokens"]) - len(ids)]
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_corrupt_chunk_restores_only_the_chunks_before_it(lm, ids_and_reference, tmp_path, compress):
+    ids, ref = ids_and_reference
+    run_kept(lm, ids, tmp_path, compress)
+    task_dir = tmp_path / safe_task_name("t")
+    m = read_manifest(task_dir / "manifest.json")
+    assert len(m["chunks"]) >= 3
+    if compress == "none":  # chunk j of a layer starts at byte j * slot_bytes of layer{l}.kv
+        path, offset = task_dir / "layer0.kv", 1 * slot_bytes(lm[0]) + 5
+    else:                   # a blob at the (offset, length) the manifest records
+        path, offset = task_dir / "layer0.zst", m["chunks"]["1"]["blob"][0][0] + 5
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    new, stats, log = run_kept(lm, ids, tmp_path, compress)
+    assert stats["resumed_from"] == C  # chunk 0 only
+    assert any("chunk 1" in line and "checksum" in line for line in log), log
+    assert new == ref
+
+
+def foreign_fingerprint(lm, ids, d):
+    run_kept(lm, ids, d, fingerprint="model-b")
+
+
+def foreign_chunk_size(lm, ids, d):
+    run_kept(lm, ids, d, chunk=8)
+
+
+def foreign_dtype(lm, ids, d):  # as if a bf16 run had left it: the manifest says so
+    run_kept(lm, ids, d)
+    path = d / safe_task_name("t") / "manifest.json"
+    m = read_manifest(path)
+    m["dtype"] = str(torch.bfloat16)
+    path.write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("make_foreign,key", [(foreign_fingerprint, "fingerprint"), (foreign_chunk_size, "chunk_size"),
+                                              (foreign_dtype, "dtype")])
+def test_foreign_manifest_is_reported_and_ignored(lm, ids_and_reference, tmp_path, make_foreign, key):
+    ids, ref = ids_and_reference
+    make_foreign(lm, ids, tmp_path)
+    assert read_manifest(tmp_path / safe_task_name("t") / "manifest.json")["chunks"]
+    new, stats, log = run_kept(lm, ids, tmp_path)
+    assert stats["resumed_from"] == 0
+    assert len(log) == 1 and f"another {key}" in log[0] and "not used" in log[0], log
+    assert new == ref
+
+
+# -----------------------------------------------------------------------------
+# task directories: hostile ids, locks, permissions
+
+HOSTILE = ["../escape", "/abs/path", "a\x00b", "x" * 500, "dot.."]
+
+
+def test_hostile_ids_stay_inside_the_offload_dir(text_ckpt, tmp_path, capsys):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [{**SHORT, "id": i} for i in HOSTILE])
+    off = tmp_path / "off"
+    rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK, "--keep-cache"), capsys)
+    assert rc == 0, err
+    assert sorted(r["id"] for _, r in results(tmp_path / "results.jsonl")) == sorted(HOSTILE)
+    names = os.listdir(off)
+    assert len(names) == len(HOSTILE) and set(names) == {safe_task_name(i) for i in HOSTILE}  # one each, distinct
+    root = os.path.realpath(off)
+    for name in names:
+        path = os.path.realpath(off / name)
+        assert os.path.dirname(path) == root and os.path.isfile(os.path.join(path, "layer0.kv")), path
+    assert sorted(os.listdir(tmp_path)) == ["off", "results.jsonl", "tasks.jsonl"]  # nothing landed beside it
+
+
+def test_files_are_owner_only(text_ckpt, tmp_path, capsys):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
+    off, output = tmp_path / "off", tmp_path / "results.jsonl"
+    old = os.umask(0)  # so that every mode below is the one the code asked for
+    try:
+        rc, err = run_main(batch_args(text_ckpt, tasks, output, off, *DISK, "--keep-cache"), capsys)
+    finally:
+        os.umask(old)
+    assert rc == 0, err
+    mode = lambda p: os.stat(p).st_mode & 0o777
+    task_dir = off / safe_task_name("short")
+    assert mode(off) == 0o700 and mode(task_dir) == 0o700 and mode(output) == 0o600
+    files = sorted(os.listdir(task_dir))
+    assert {"lock", "manifest.json", "layer0.kv", "layer1.kv"} <= set(files), files
+    assert {f: mode(task_dir / f) for f in files} == {f: 0o600 for f in files}
+
+
+def test_second_user_of_a_task_dir_is_refused_in_process(tmp_path):
+    first = TaskDir(str(tmp_path), "same")
+    with pytest.raises(TaskDirError, match=f"in use by process {os.getpid()}"):
+        TaskDir(str(tmp_path), "same")
+    first.close(remove=False)
+    TaskDir(str(tmp_path), "same").close(remove=True)  # free again once the holder let go
+
+
+def test_second_user_of_a_task_dir_is_refused_across_processes(text_ckpt, tmp_path, capsys):
+    off = tmp_path / "off"
+    off.mkdir(mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from taskdir import TaskDir; "
+         "t = TaskDir(sys.argv[2], 'busy'); print('holding', flush=True); sys.stdin.read()", ROOT, str(off)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "holding\n"
+        tasks = write_tasks(tmp_path / "tasks.jsonl", [{**SHORT, "id": "busy"}, {**SHORT, "id": "free"}])
+        rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK), capsys)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert rc == 1
+    failed = [l for l in err.splitlines() if l.startswith("task busy: FAILED")]
+    assert len(failed) == 1 and f"in use by process {holder.pid}" in failed[0], err
+    assert [r["id"] for _, r in results(tmp_path / "results.jsonl")] == ["free"]
+
+
+# -----------------------------------------------------------------------------
+# the monitor: alerts and trace
+
+@pytest.fixture
+def store(tmp_path):
+    """make(mode): a real, empty TieredStore (1 layer, 4 chunks) for Monitor.step to read."""
+    made = []
+
+    def make(mode):
+        cfg = OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path))
+        made.append(TieredStore(1, 1, 1, 4, C, 4 * C, "cpu", torch.float32, cfg, disk_path=str(tmp_path)))
+        return made[-1]
+    yield make
+    for s in made:
+        s.close()
+
+
+class StubCache:
+    """How far a task got, as Monitor.step reads it off a KVCache; the store says where its chunks are (nowhere)."""
+    def __init__(self, store, n_sealed=3):
+        self.store, self.n_sealed, self.chunk_size, self.length = store, n_sealed, C, n_sealed * C
+
+
+BIG_RAM = 1 << 60
+FINISHED = {"resumed_from": 0, "decode_s": 0.0, "new_tokens": 1, "peak_device_bytes": 0, "peak_host_rss_bytes": 0,
+            "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}}
+
+
+def trace_alerts(path):
+    return [e["alert"] for e in map(json.loads, path.read_text().splitlines()) if "alert" in e]
+
+
+def test_host_memory_alert(tmp_path, store):
+    alerts, quiet = [], store("none")
+    m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=1)
+    m.step("a", "decode", StubCache(quiet))
+    m.step("a", "decode", StubCache(quiet))  # once, not every step
+    m.close()
+    assert len(alerts) == 1 and "host memory" in alerts[0], alerts
+    assert trace_alerts(tmp_path / "trace.jsonl") == ["host_memory"]
+    calm = []
+    Monitor(None, log=calm.append, ram=BIG_RAM).step("a", "decode", StubCache(quiet))
+    assert calm == []
+
+
+def test_slow_task_alert(tmp_path, store):
+    alerts, quiet = [], store("none")
+    m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=BIG_RAM)
+    m.started["slow"] = time.perf_counter() - 60  # began a minute ago
+    m.step("slow", "decode", StubCache(quiet))
+    assert alerts == []  # no finished task yet: nothing to compare with
+    m.task_started("fast")
+    m.task_finished("fast", FINISHED)  # ~0 s
+    m.step("slow", "decode", StubCache(quiet))
+    m.close()
+    assert len(alerts) == 1 and "task slow" in alerts[0] and "mean" in alerts[0], alerts
+    assert trace_alerts(tmp_path / "trace.jsonl") == ["slow_task"]
+
+
+def test_offload_not_in_effect_alert(tmp_path, store):
+    alerts, disk = [], store("disk")
+    m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=BIG_RAM)
+    m.step("young", "decode", StubCache(disk, n_sealed=1))  # not past the window yet: nothing should have left
+    m.step("off", "decode", StubCache(store("none")))       # no offload configured
+    assert alerts == []
+    m.step("stuck", "decode", StubCache(disk))              # 3 sealed, window 1, none on host or disk
+    m.close()
+    assert len(alerts) == 1 and "task stuck" in alerts[0] and "not in effect" in alerts[0], alerts
+    assert trace_alerts(tmp_path / "trace.jsonl") == ["offload_not_in_effect"]
+
+
+def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, tmp_path):
+    ids, _ = ids_and_reference
+    alerts, trace = [], tmp_path / "trace.jsonl"
+    m = Monitor(str(trace), log=alerts.append, ram=BIG_RAM)
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path / "off"))
+    run_task(lm[0], lm[1], ids, NEW, C, cfg, on_step=lambda phase, logits, cache: m.step("t", phase, cache))
+    m.close()
+    assert alerts == []
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    keys = {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss", "host_anon", "bytes",
+            "chunks"}
+    for e in events:
+        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read"}, e
+        assert set(e["chunks"]) == {"device", "host", "disk"} and e["task"] == "t", e
+    assert [e["phase"] for e in events] == ["prefill"] * -(-len(ids) // C) + ["decode"] * (NEW - 1)
+    assert [e["position"] for e in events][-1] == len(ids) + NEW - 1
+    assert sum(e["bytes"]["disk_write"] for e in events) > 0 and events[-1]["chunks"]["disk"] > 0
+
+
+# -----------------------------------------------------------------------------
+# bad input
+
+def test_malformed_lines_are_named_and_skipped(text_ckpt, tmp_path, capsys):
+    ok = lambda i: json.dumps({"id": i, "prompt": SHORT["prompt"], "max_new_tokens": 2})
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join([ok("a"), '{"id": "b", "prompt": ', ok("c"), ok("a"), '{"prompt": "no id"}']) + "\n")
+    output = tmp_path / "results.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", "--chunk-size", C), capsys)
+    assert rc == 1
+    assert f"{tasks} line 2: not valid JSON" in err, err
+    assert f"{tasks} line 4: duplicate id 'a'" in err, err
+    assert f"{tasks} line 5: field 'id' is missing" in err, err
+    assert [r["id"] for _, r in results(output)] == ["a", "c"]
+
+
+@pytest.mark.parametrize("problem", ["missing checkpoint", "offload dir cannot be created", "missing prompts"])
+def test_unusable_paths_give_one_line_and_exit_2(text_ckpt, tmp_path, capsys, problem):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
+    ckpt, off, flag = text_ckpt, tmp_path / "off", None
+    if problem == "missing checkpoint":
+        ckpt, flag = tmp_path / "nowhere", "--ckpt"
+    elif problem == "offload dir cannot be created":
+        (tmp_path / "file").write_text("not a directory")
+        off, flag = tmp_path / "file" / "sub", "--offload-dir"
+    else:
+        tasks, flag = tmp_path / "missing.jsonl", "--prompts"
+    output = tmp_path / "results.jsonl"
+    rc, err = run_main(batch_args(ckpt, tasks, output, off, *DISK), capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err
+    assert not output.exists()
