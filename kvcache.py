@@ -29,7 +29,10 @@ def attend_chunk(q, k, v, state, visible=None):
     state: (m, l, acc) with m, l [B, G, R*T, 1] (row max, row sum of exponentials) and acc [B, G, R*T, D],
     or None before the first chunk. visible [R*T, L] bool masks future keys inside the open chunk.
     """
-    s = torch.matmul(q, k.transpose(-1, -2)).float()           # [B, G, R*T, L] scores
+    B, G, RT, D = q.shape
+    L = k.shape[2]
+    # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that stalls under CPU load
+    s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()  # scores
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)                           # [B, G, R*T, 1]
@@ -37,7 +40,7 @@ def attend_chunk(q, k, v, state, visible=None):
         m = torch.maximum(state[0], m)
     p = torch.exp(s - m)                                       # [B, G, R*T, L]
     l = p.sum(dim=-1, keepdim=True)                            # [B, G, R*T, 1]
-    acc = torch.matmul(p.to(v.dtype), v).float()               # [B, G, R*T, D]
+    acc = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D)).view(B, G, RT, D).float()
     if state is not None:
         alpha = torch.exp(state[0] - m)                        # rescales what earlier chunks accumulated
         l = state[1] * alpha + l
