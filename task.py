@@ -59,7 +59,7 @@ def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, samp
     def durable(n, chunks):  # worker thread: chunks 0..n-1 are synced; vouch for them
         taskdir.write_manifest({**task, "tokens": list(prompt_ids) + list(out), "chunks": chunks})
 
-    ok = False
+    ok, cache = False, None
     try:
         cache = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
                            restore=manifest["chunks"] if n_restore else None,
@@ -74,7 +74,7 @@ def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, samp
                                      out, on_token, on_step)
         ok = True
     finally:
-        if "cache" in locals():
+        if cache is not None:
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
