@@ -139,23 +139,20 @@ def train(model, train_ids, val_ids, args):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)  # the data order: window starts drawn from this alone
-    log, losses, t0, cut = [], [], time.time(), False
+    log, losses, t0 = [], [], time.time()
     for step in range(args.steps + 1):
-        if step % args.eval_every == 0 or step == args.steps:
+        over = time.time() - t0 > 60 * args.minutes
+        if step % args.eval_every == 0 or step == args.steps or over:
             val = evaluate(model, val_ids, args.seq_len, args.bf16)
             train_loss = sum(losses) / len(losses) if losses else float("nan")
             log.append({"step": step, "train": train_loss, "val": val, "seconds": time.time() - t0})
             print(f"step {step:5d}/{args.steps} | train {train_loss:.3f} | val {val:.3f} ppl {math.exp(val):7.1f} "
                   f"| lr {lr_at(min(step, args.steps - 1), args):.2e} | {time.time() - t0:6.0f} s", flush=True)
             losses = []
-        if step == args.steps:
-            break
-        if time.time() - t0 > 60 * args.minutes:
-            print(f"stopped by --minutes {args.minutes} at step {step}", flush=True)
-            log.append({"step": step, "train": sum(losses) / max(1, len(losses)),
-                        "val": evaluate(model, val_ids, args.seq_len, args.bf16), "seconds": time.time() - t0})
-            cut = True
-            break
+        if step == args.steps or over:
+            if over and step < args.steps:
+                print(f"stopped by --minutes {args.minutes} at step {step} of {args.steps}", flush=True)
+            return log, over and step < args.steps
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch,), generator=gen)
@@ -166,7 +163,6 @@ def train(model, train_ids, val_ids, args):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-    return log, cut
 
 
 # -----------------------------------------------------------------------------
@@ -255,7 +251,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="assets/tinyllama-pydoc", help="output Hugging Face directory")
     p.add_argument("--seed", type=int, default=0, help="seeds the initialisation and the data order")
-    p.add_argument("--steps", type=int, default=1200, help="optimizer steps; the LR schedule spans exactly these")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps; the LR schedule spans exactly these")
     p.add_argument("--minutes", type=float, default=28.0, help="safety cap on training wall-clock time; stops early")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--dim", type=int, default=256, help="model dim E")
