@@ -21,9 +21,9 @@ from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
 from tokenizer import load_tokenizer
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
-DEMO_PROMPT = ("The with statement is used to wrap the execution of a block with methods defined by a context "
-               "manager. This allows common try, except and finally usage patterns to be encapsulated for "
-               "convenient reuse. The execution of the with statement proceeds as follows:")
+DEMO_PROMPT = ("A module is a file containing Python definitions and statements. The file name is the module name "
+               "with the suffix .py appended. Within a module, the module's name is available as the value of the "
+               "global variable __name__.")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -135,6 +135,8 @@ def build_parser():
     p.add_argument("--compress", choices=COMPRESSIONS, default="none", help="compress disk chunks (lossless)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default fp32)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; 1 in the demo, "
+                   "whose small ops run fastest on one thread and do not stall when another process holds a core)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -161,6 +163,8 @@ def resolve(args):
         args.offload = "disk" if demo else "none"
     if args.max_new_tokens is None and args.max_length is None:
         args.max_new_tokens = 64 if demo else 128
+    if args.threads is None and demo:
+        args.threads = 1
     checks = [
         (args.chunk_size > 0, f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
         (args.window >= 0, f"--window must be >= 0, got {args.window}"),
@@ -176,6 +180,7 @@ def resolve(args):
         (not args.prompts or args.output, "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts, "--output is for batch mode; add --prompts TASKS.jsonl"),
         (args.concurrency >= 1, f"--concurrency must be >= 1, got {args.concurrency}"),
+        (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
         (args.fallback_context is None or args.fallback_context > 0, "--fallback-context must be >= 1"),
     ]
     for ok, msg in checks:
@@ -257,6 +262,8 @@ def main(argv=None):
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so text cannot be encoded")
         if not args.prompts:  # check the prompt before loading any weight
             plan_lengths(args, len(tokenizer.encode(text)), model_args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         monitor = Monitor(args.trace)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
         fingerprint = model_fingerprint(args.ckpt)

@@ -63,6 +63,7 @@ def main(argv=None):
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="truncate the prompt to this many tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default fp32)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = p.parse_args(argv)
     return_large_frees_to_os()
@@ -73,6 +74,10 @@ def main(argv=None):
             raise UsageError(f"--modes: {bad or args.modes!r} not among {sorted(MODE_SPECS)}")
         if args.chunk_size <= 0 or args.window < 0 or args.max_new_tokens <= 0 or args.max_prompt_tokens <= 0:
             raise UsageError("--chunk-size, --max-new-tokens and --max-prompt-tokens must be >= 1, --window >= 0")
+        if args.threads is not None:
+            if args.threads < 1:
+                raise UsageError(f"--threads must be >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
         if any(MODE_SPECS[m][0] == "disk" for m in modes):

@@ -2,11 +2,17 @@ import os
 import sys
 
 import pytest
+import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # model.py etc. at the repo root, helpers such as ckpt.py here
 
 from ckpt import build_checkpoint  # noqa: E402
+
+# Correctness tests, not benchmarks: one thread keeps small ops fast and immune to a busy second core
+# (torch's OpenMP threads can stall for milliseconds per op when another process holds a core).
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"  # and the same for the scripts the tests start
 
 
 @pytest.fixture(scope="session")
