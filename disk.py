@@ -33,6 +33,7 @@ class DiskTier:
         self.chunk_bytes = int(np.prod(shape)) * self.itemsize
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.index = {}  # zstd: (layer, j) -> (offset, length)
+        self.views = {}  # raw: (layer, j) -> tensor over the mapping
         flags = os.O_RDWR | os.O_CREAT | (0 if restore is not None else os.O_TRUNC)  # resuming raw passes {}
         try:
             if compress == "zstd":
@@ -57,13 +58,17 @@ class DiskTier:
             raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
 
     def view(self, layer, j):
-        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file."""
-        start = j * self.slot_bytes
-        return torch.from_numpy(self.maps[layer][start:start + self.chunk_bytes]).view(self.dtype).view(self.shape)
+        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file (made once, then reused: slicing
+        an np.memmap costs more than attending a small chunk)."""
+        if (layer, j) not in self.views:
+            start = j * self.slot_bytes
+            mapped = self.maps[layer][start:start + self.chunk_bytes]
+            self.views[(layer, j)] = torch.from_numpy(mapped).view(self.dtype).view(self.shape)
+        return self.views[(layer, j)]
 
-    def advise(self, layer, j):
-        """Raw tier: ask the OS to read chunk j into the page cache now (a no-op for pages already there)."""
-        self.maps[layer]._mmap.madvise(mmap.MADV_WILLNEED, j * self.slot_bytes, self.slot_bytes)
+    def advise(self, layer, first, last):
+        """Raw tier: ask the OS to read chunks first..last into the page cache now (a no-op for pages there)."""
+        self.maps[layer]._mmap.madvise(mmap.MADV_WILLNEED, first * self.slot_bytes, (last + 1 - first) * self.slot_bytes)
 
     def write(self, layer, j, src):
         """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored bytes)."""
@@ -113,7 +118,7 @@ class DiskTier:
     def close(self):
         for fd in getattr(self, "fds", []):
             os.close(fd)
-        self.fds, self.maps = [], []
+        self.fds, self.maps, self.views = [], [], {}
 
 
 class DiskError(OSError):

@@ -7,8 +7,8 @@ handed to the store (offload.py), which decides where it lives: the device windo
 
 Attention of a block of queries (a prefill chunk, or one decode token) runs over
     sealed chunk 0, sealed chunk 1, ..., sealed chunk n-1, then the open chunk (causal inside it),
-one partial attention per chunk, merged with the running max / running sum of exponentials (the
-flash-attention recurrence). No position is dropped or approximated.
+one partial attention per chunk, each normalised within its chunk and carrying the log-sum-exp of its scores,
+merged in that order with weights exp(lse_chunk - lse_total). No position is dropped or approximated.
 
 Why offload cannot change the output: the compute schedule (which positions go into which kernel call, the
 shapes of those calls, and the order of the merges) is a function of the positions and C only. Where a chunk
@@ -22,30 +22,58 @@ import math
 import torch
 
 
-def attend_chunk(q, k, v, state, visible=None):
-    """One step of the exact chunked-attention recurrence, in fp32.
+# The fused CPU flash-attention kernel (torch >= 2.3) returns the log-sum-exp an exact merge needs; elsewhere (CUDA,
+# older torch) the same partial is computed with plain matmuls. Which one runs depends on the device and torch
+# version only, never on where a chunk lives, so the choice cannot break bit-identity across offload modes.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-    q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]: the L positions of one chunk.
-    state: (m, l, acc) with m, l [B, G, R*T, 1] (row max, row sum of exponentials) and acc [B, G, R*T, D],
-    or None before the first chunk. visible [R*T, L] bool masks future keys inside the open chunk.
+
+def attend_chunk(q, k, v, visible=None):
+    """Attention of queries over the L positions of one chunk, normalised within the chunk.
+
+    q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks future keys.
+    Returns (o [B, G, R*T, D], lse [B, G, R*T, 1]), both fp32: the chunk's output and log-sum-exp of its scores.
     """
     B, G, RT, D = q.shape
     L = k.shape[2]
+    if visible is None and _FLASH_CPU is not None and q.device.type == "cpu":
+        o, lse = _FLASH_CPU(q, k, v, scale=1.0)                    # [B, G, R*T, D], [B, G, R*T]
+        return o.float(), lse.unsqueeze(-1)
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that stalls under CPU load
-    s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()  # scores
+    s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)                           # [B, G, R*T, 1]
-    if state is not None:
-        m = torch.maximum(state[0], m)
-    p = torch.exp(s - m)                                       # [B, G, R*T, L]
-    l = p.sum(dim=-1, keepdim=True)                            # [B, G, R*T, 1]
-    acc = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D)).view(B, G, RT, D).float()
-    if state is not None:
-        alpha = torch.exp(state[0] - m)                        # rescales what earlier chunks accumulated
-        l = state[1] * alpha + l
-        acc = state[2] * alpha + acc
-    return m, l, acc
+    m = s.amax(dim=-1, keepdim=True)                               # [B, G, R*T, 1] row max
+    p = torch.exp(s - m)                                           # [B, G, R*T, L]
+    l = p.sum(dim=-1, keepdim=True)                                # [B, G, R*T, 1] row sum of exponentials
+    o = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D)).view(B, G, RT, D).float()
+    return o / l, m + torch.log(l)
+
+
+def attend_open_chunk(q, k, v, off, R):
+    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal).
+    q [B, G, R*T, D] (rows are (r, t) pairs); k, v [B, G, off+T, D]. Returns (o, lse) as attend_chunk."""
+    B, G, RT, D = q.shape
+    T = RT // R
+    if T == 1:                                                     # one query: every key is visible
+        return attend_chunk(q, k, v)
+    if off == 0 and _FLASH_CPU is not None and q.device.type == "cpu":  # a prefill chunk: the kernel's causal mask
+        kh = k[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]: one kv head per q head
+        vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)
+        o, lse = _FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)  # [B, H, T, D], [B, H, T]
+        return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT, 1)
+    t = torch.arange(RT, device=q.device) % T                      # query row (r, t) sits at offset off + t
+    visible = torch.arange(off + T, device=q.device)[None, :] <= (off + t)[:, None]  # [R*T, off+T]
+    return attend_chunk(q, k, v, visible)
+
+
+def merge(state, o, lse):
+    """Combine two normalised partial attentions exactly: weights exp(lse_i - lse_total)."""
+    if state is None:
+        return o, lse
+    o0, lse0 = state
+    total = torch.logaddexp(lse0, lse)                             # [B, G, R*T, 1]
+    return o0 * torch.exp(lse0 - total) + o * torch.exp(lse - total), total
 
 
 class KVCache:
@@ -92,15 +120,10 @@ class KVCache:
         state = None
         for j in range(self.n_sealed):                                 # sealed chunks: every key is in the past
             k_j, v_j = self.store.load(layer, j)                       # [B, G, C, D] each, on the device
-            state = attend_chunk(q, k_j, v_j, state)
+            state = merge(state, *attend_chunk(q, k_j, v_j))
             self.store.release(layer, j)                               # its staging slot may be refilled
-        visible = None
-        if T > 1:                                                      # query t sees keys <= off + t
-            t = torch.arange(R * T, device=q.device) % T
-            visible = torch.arange(off + T, device=q.device)[None, :] <= (off + t)[:, None]  # [R*T, off+T]
-        m, l, acc = attend_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], state, visible)
-        y = (acc / l).to(q.dtype)                                      # [B, G, R*T, D]
-        return y.view(B, G, R, T, D).reshape(B, H, T, D)
+        o, _ = merge(state, *attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R))
+        return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
     def end(self):
         self.length += self.T

@@ -160,9 +160,14 @@ class TieredStore:
             self.worker.submit(self._advise, order)  # to page in, ahead of use, whatever it has evicted
 
     def _advise(self, order):
+        """One madvise per layer over the span of its disk chunks (the file keeps them in order)."""
+        span = {}
         for l, j in order:
             if self.where[(l, j)] == "disk":
-                self.disk.advise(l, j)
+                first, last = span.get(l, (j, j))
+                span[l] = (min(first, j), max(last, j))
+        for l, (first, last) in span.items():
+            self.disk.advise(l, first, last)
 
     def _pump(self):
         while self.queue and self.slot_free:
