@@ -36,11 +36,11 @@ class UsageError(ValueError):
 
 @torch.inference_mode()
 def forward(model, cache, tokens):
-    """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, T, V]."""
-    cache.begin(tokens.shape[1])      # the store starts prefetching this step's offloaded chunks
-    logits = model(tokens, cache)     # each layer: write k, v into the open chunk, attend over all chunks
-    cache.end()                       # a full open chunk is sealed; the oldest window chunk is offloaded
-    return logits
+    """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last position."""
+    cache.begin(tokens.shape[1])                    # the store starts prefetching this step's offloaded chunks
+    logits = model(tokens, cache, last_only=True)   # each layer: write k, v into the open chunk, attend over all chunks
+    cache.end()                                     # a full open chunk is sealed; the oldest window chunk is offloaded
+    return logits[:, -1]
 
 
 def prefill(model, cache, ids, on_step=None):
@@ -49,7 +49,7 @@ def prefill(model, cache, ids, on_step=None):
     t, C = 0, cache.chunk_size
     while t < ids.shape[1]:
         n = min(C - cache.length % C, ids.shape[1] - t)
-        logits = forward(model, cache, ids[:, t:t + n])[:, -1]
+        logits = forward(model, cache, ids[:, t:t + n])
         t += n
         if on_step:
             on_step("prefill", logits)
@@ -58,7 +58,7 @@ def prefill(model, cache, ids, on_step=None):
 
 def decode_one_token(model, cache, token):
     """token [B, 1] -> logits [B, V] of the next position."""
-    return forward(model, cache, token)[:, -1]
+    return forward(model, cache, token)
 
 
 @dataclass

@@ -228,8 +228,10 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2] fp32
 
-    def forward(self, tokens, cache=None):
-        """tokens [B, T] -> logits [B, T, V]. With a cache, tokens continue at position cache.length."""
+    def forward(self, tokens, cache=None, last_only=False):
+        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and the output
+        matrix over every position of a long prompt costs as much as attention). With a cache, tokens continue
+        at position cache.length."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
         if self.args.sliding_window and start + T > self.args.sliding_window:  # past it, the model masks far keys
@@ -242,6 +244,8 @@ class Transformer(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)   # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
+        if last_only:
+            x = x[:, -1:]                                         # [B, 1, E]
         return self.output(self.norm(x)).float()                  # [B, T, V], fp32 for sampling
 
     @classmethod
