@@ -1,0 +1,283 @@
+"""
+What this machine can move, and what offload will cost on it: the probe behind `python bench.py --probe`, and the
+prediction that bench.py prints beside every measured decode speed.
+
+It measures the software (torch, CUDA, devices), the copy links (CUDA: pinned and pageable H2D and D2H, both at
+once; CPU: host memcpy), the disk of the offload dir around the page cache, zstd on the model's own KV, and a
+few costs of our own code: a decode step inside one chunk and one with a few sealed chunks (on synthetic KV, so
+no prefill is needed), and the per-chunk bookkeeping of offloaded chunks. From those and the checkpoint's KV
+bytes per token, predict_decode() predicts decode tokens/s for each mode and context; verdict() says in words
+whether offload will pay here.
+"""
+import mmap
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from generate import DTYPES, decode_one_token, prefill
+from offload import OffloadConfig
+from task import make_cache
+
+GB = 1e9
+
+
+def is_cuda(device):
+    return torch.device(device).type == "cuda"
+
+
+def median_time(fn, device="cpu", reps=5):
+    """Median wall time of fn() over reps calls (synchronised on CUDA), after one warm-up call."""
+    sync = torch.cuda.synchronize if is_cuda(device) else (lambda: None)
+    times = []
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        fn(), sync()
+        times.append(time.perf_counter() - t) if i else None
+    return statistics.median(times)
+
+
+# -----------------------------------------------------------------------------
+# the software, the copy links, the disk, zstd on real KV
+
+def environment(device):
+    env = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_usable": torch.cuda.is_available(),
+           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": str(device),
+           "loadavg": [round(x, 2) for x in os.getloadavg()], "date": time.strftime("%Y-%m-%d %H:%M %Z")}
+    if env["cuda_usable"]:
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        free, total = torch.cuda.mem_get_info(torch.device(device) if is_cuda(device) else 0)
+        env["device_free_gib"], env["device_total_gib"] = round(free / 2**30, 1), round(total / 2**30, 1)
+    return env
+
+
+def link_bandwidth(device, nbytes=256 << 20):
+    """GB/s. Host memcpy always (what a disk chunk costs from the page cache into a bounce buffer); on CUDA also
+    pinned and pageable host<->device, and each direction while both run at once (pinned, two streams)."""
+    buf = lambda pin=False, dev="cpu": torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin, device=dev)  # noqa: E731
+    src, dst = buf(), buf()
+    out = {"host_memcpy": nbytes / median_time(lambda: dst.copy_(src)) / GB}
+    if not is_cuda(device):
+        return out
+    dev, dev2, h_in, h_out = buf(dev=device), buf(dev=device), buf(True), buf(True)
+    for pinned in (True, False):
+        host, kind = buf(pinned), "pinned" if pinned else "pageable"
+        out[f"h2d_{kind}"] = nbytes / median_time(lambda: dev.copy_(host, non_blocking=pinned), device) / GB
+        out[f"d2h_{kind}"] = nbytes / median_time(lambda: host.copy_(dev, non_blocking=pinned), device) / GB
+    streams = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both():
+        with torch.cuda.stream(streams[0]):
+            dev.copy_(h_in, non_blocking=True)
+        with torch.cuda.stream(streams[1]):
+            h_out.copy_(dev2, non_blocking=True)
+    out["h2d_d2h_at_once_each"] = nbytes / median_time(both, device) / GB
+    return out
+
+
+def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
+    """Sequential write then read of a scratch file in dirpath, around the page cache: O_DIRECT where the file
+    system allows it, else buffered I/O + fsync + posix_fadvise(DONTNEED), so that the read comes from the device."""
+    path, buf = os.path.join(dirpath, f".bench-probe-{os.getpid()}"), mmap.mmap(-1, block)  # mmap: page aligned
+    buf.write(os.urandom(block))
+    direct, method = getattr(os, "O_DIRECT", 0), "O_DIRECT"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        os.write(fd, buf)  # some file systems accept O_DIRECT at open and refuse the first write
+    except OSError:
+        direct, method = 0, "buffered + fsync + posix_fadvise(DONTNEED)"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        t = time.perf_counter()
+        for _ in range(max(1, nbytes // block)):
+            os.write(fd, buf)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drop the (now clean) cached pages before reading
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | direct)
+        t = time.perf_counter()
+        while os.readv(fd, [buf]) > 0:
+            pass
+        read_s = time.perf_counter() - t
+    finally:
+        os.close(fd)
+        os.remove(path)
+    n = max(1, nbytes // block) * block
+    return {"write": n / write_s / GB, "read": n / read_s / GB, "method": method, "dir": dirpath}
+
+
+def zstd_on_real_kv(model, chunk_size, n_chunks=2):
+    """The sealed chunks of a short prefill, compressed as the disk tier's DiskTier.write does (byte planes split,
+    zstd level 1), then decompressed and un-split as its read_into does on the worker for every disk+zstd read."""
+    try:
+        import zstandard
+    except ImportError:
+        return None
+    cache = make_cache(model, OffloadConfig(), chunk_size, chunk_size * n_chunks + 1)
+    ids = torch.randint(3, model.args.vocab_size, (1, chunk_size * n_chunks), generator=torch.Generator().manual_seed(1))
+    try:
+        prefill(model, cache, ids.to(next(model.parameters()).device))
+        chunks = [torch.stack(cache.store.load(l, j)).cpu() for l in range(model.args.n_layers) for j in range(n_chunks)]
+    finally:
+        cache.store.close()
+    zc, zd, item = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor(), chunks[0].element_size()
+    raw = [c.reshape(-1).view(torch.uint8).numpy() for c in chunks]
+    t = time.perf_counter()
+    blobs = [zc.compress(np.ascontiguousarray(r.reshape(-1, item).T).tobytes()) for r in raw]  # [item, n] planes
+    comp_s, dst, t = time.perf_counter() - t, torch.empty_like(chunks[0]), time.perf_counter()
+    for b in blobs:
+        planes = np.frombuffer(zd.decompress(b, max_output_size=dst.numel() * item), dtype=np.uint8)
+        dst.reshape(-1).view(torch.uint8).numpy().reshape(-1, item)[:] = planes.reshape(item, -1).T
+    dec_s, total = time.perf_counter() - t, sum(r.nbytes for r in raw)
+    return {"ratio": total / sum(map(len, blobs)), "compress_gbps": total / comp_s / GB,
+            "decompress_gbps": total / dec_s / GB, "decompress_s_per_chunk": dec_s / len(blobs),
+            "chunk_bytes": raw[0].nbytes}
+
+
+# -----------------------------------------------------------------------------
+# calibration and prediction
+
+def decode_step_s(model, ctx, chunk_size, steps=8):
+    """Median decode step at context ctx on the real path (model + KVCache, --offload none), the cache filled with
+    synthetic K and V through its own verbs instead of a prefill: seconds, not minutes, at any context."""
+    a, dev = model.args, next(model.parameters()).device
+    cache = make_cache(model, OffloadConfig(), chunk_size, ctx + steps + 2)
+    try:
+        while cache.length < ctx:
+            off = cache.length % chunk_size
+            n = min(chunk_size - off, ctx - cache.length)
+            cache.begin(n)
+            for layer in range(a.n_layers):  # what attention writes for n positions: K at [0], V at [1]
+                cache.store.open_chunk(layer)[:, :, :, off:off + n].uniform_(-1, 1)
+            cache.end()                      # a full chunk is sealed, as after a prefill step
+        token = torch.tensor([[3]], device=dev)
+        return median_time(lambda: decode_one_token(model, cache, token), dev, reps=steps)
+    finally:
+        cache.store.close()
+
+
+def per_chunk_overheads(dirpath, n=2000):
+    """Seconds per chunk of the bookkeeping only offloaded chunks pay: a zero-copy tensor over a mapped file (the raw
+    disk tier's view() on CPU), and a worker-thread round trip (every staged chunk: zstd, or any chunk on CUDA)."""
+    path = os.path.join(dirpath, f".bench-map-{os.getpid()}")
+    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(1 << 20,))
+    t = time.perf_counter()
+    for i in range(n):
+        torch.from_numpy(mm[(i % 8) * 4096:(i % 8) * 4096 + 65536]).view(torch.float32).view(2, 1, 2, 64, 64)
+    view_s = (time.perf_counter() - t) / n
+    del mm
+    os.remove(path)
+    with ThreadPoolExecutor(1) as pool:
+        handoff_s = median_time(lambda: [pool.submit(int).result() for _ in range(100)]) / 100
+    return {"mapped_view_s": view_s, "worker_handoff_s": handoff_s}
+
+
+def calibrate(model, args, contexts, modes, disk=False):
+    """Everything predict_decode needs, measured here in a few seconds (the disk only for the probe). The decode
+    step is measured at a context inside one chunk and at n_b sealed chunks: their difference is the cost of
+    attending to L * n_b sealed chunks, from which longer contexts are extrapolated, one chunk at a time."""
+    n_b = max(1, min(8, max(contexts) // args.chunk_size))
+    cal = {"step_s": decode_step_s(model, 1, args.chunk_size), "link_gbps": link_bandwidth(args.device),
+           "step_at_s": {n_b: decode_step_s(model, n_b * args.chunk_size, args.chunk_size)}}
+    cal["chunk_s"] = max(0.0, cal["step_at_s"][n_b] - cal["step_s"]) / (model.args.n_layers * n_b)
+    cal.update(per_chunk_overheads(args.offload_dir))
+    cal["zstd"] = zstd_on_real_kv(model, args.chunk_size) if "disk+zstd" in modes or disk else None
+    if disk:
+        cal["disk_gbps"] = disk_bandwidth(args.offload_dir, args.probe_mib << 20)
+    return cal
+
+
+def median_of(cals):
+    """Element-wise median of the calibrations of each repeat (they drift with the machine, as the runs do)."""
+    if isinstance(cals[0], dict):
+        return {k: median_of([c[k] for c in cals if k in c]) for k in cals[0]}
+    return statistics.median(cals) if isinstance(cals[0], (int, float)) else cals[0]
+
+
+def n_sealed(ctx, args):
+    return (ctx + args.new_tokens // 2) // args.chunk_size  # sealed chunks per layer, halfway through decoding
+
+
+def predict_decode(cal, ctx, mode, args, margs, cuda):
+    """Predicted decode tokens/s. A step = fixed + its sealed chunks, one after another:
+        fixed   the measured decode step at a context inside one chunk (weights, open chunk, sampling, Python)
+        a       attending to one sealed chunk: (step at n_b sealed chunks - fixed) / (L * n_b), measured
+        n_off   L * (n_sealed - window) chunks not on the device (0 with --offload none); each costs instead:
+    CPU, cpu and raw disk: read in place, nothing moves: a, plus one mapped view for a disk chunk.
+    CPU, disk+zstd: the worker decompresses a chunk (d) a few staging slots ahead of attention: max(a, d + handoff),
+    the slower end of the pipeline.
+    CUDA: the worker (a handoff, plus a memcpy into a pinned bounce buffer for disk, or d for zstd) feeds a side
+    stream that copies at pinned H2D speed while attention runs: max(a, worker, chunk / H2D)."""
+    z, link, h, a = cal["zstd"], cal["link_gbps"], cal["worker_handoff_s"], cal["chunk_s"]
+    if mode == "disk+zstd" and not z:
+        return None
+    sealed = margs.n_layers * n_sealed(ctx, args)
+    n_off = 0 if mode == "none" else margs.n_layers * max(0, n_sealed(ctx, args) - args.window)
+    chunk = margs.kv_bytes_per_token(DTYPES[args.dtype]) // margs.n_layers * args.chunk_size
+    worker = h + (z["decompress_s_per_chunk"] * chunk / z["chunk_bytes"] if mode == "disk+zstd" else
+                  chunk / (link["host_memcpy"] * GB) if mode == "disk" else 0.0)
+    if cuda and mode != "none":
+        per_off = max(a, worker, chunk / (link["h2d_pinned"] * GB))
+    else:
+        per_off = max(a, worker) if mode == "disk+zstd" else a + (cal["mapped_view_s"] if mode == "disk" else 0.0)
+    return 1.0 / (cal["step_s"] + (sealed - n_off) * a + n_off * per_off)
+
+
+def verdict(cal, args, margs, contexts, modes, cuda):
+    """Plain words: will offload pay on this machine?"""
+    ctx, link, kv = max(contexts), cal["link_gbps"], max(contexts) * margs.kv_bytes_per_token(DTYPES[args.dtype])
+    pred = {m: predict_decode(cal, ctx, m, args, margs, cuda) for m in ["none"] + modes}
+    out = [f"Predicted decode at {ctx} tokens relative to --offload none: " +
+           ", ".join(f"{m} {pred[m] / pred['none']:.2f}x" for m in modes if m != "none" and pred[m]) + "."]
+    if not cuda:
+        out.append(("CUDA is absent" if not torch.cuda.is_available() else "--device cpu") + ": 'device' and host "
+                   "are the same memory, so --offload cpu and raw --offload disk move no bytes (chunks are read in "
+                   "place, disk chunks from the page cache while RAM lasts) and cost only bookkeeping; raw disk does "
+                   "take the KV out of the process's own memory (RssAnon). Offload will not make decoding faster "
+                   "on this machine: use --offload disk when the KV would not fit in RAM, and nothing otherwise.")
+    else:
+        h2d = link["h2d_pinned"]
+        out.append(f"Pinned H2D {h2d:.1f} GB/s (pageable {link['h2d_pageable']:.1f}; {link['h2d_d2h_at_once_each']:.1f} "
+                   "each way with D2H at once). " + ("Below ~10 GB/s host offload costs more than it saves for most "
+                   "decode workloads: keep the KV on the device when it fits." if h2d < 10 else
+                   f"Each GiB offloaded costs ~{2**30 / (h2d * GB) * 1e3:.0f} ms per decode step: offload pays when "
+                   "the KV would not fit otherwise, or for prefill-heavy work."))
+    if cal["zstd"]:
+        z = cal["zstd"]
+        out.append(f"zstd on this model's real KV: ratio {z['ratio']:.2f}x, compress {z['compress_gbps']:.2f} GB/s, "
+                   f"decompress {z['decompress_gbps']:.2f} GB/s on one thread: it pays only for a disk that reads "
+                   f"slower than that, cold (never from the page cache), and then gains at most {z['ratio']:.2f}x.")
+    if "disk_gbps" in cal:
+        d = cal["disk_gbps"]
+        kind = "HDD/SATA class: a cold disk tier is the bottleneck" if d["read"] < 1 else \
+            "SATA/low-end NVMe class" if d["read"] < 3 else "NVMe class"
+        out.append(f"Disk ({d['method']}): write {d['write']:.2f} GB/s, read {d['read']:.2f} GB/s, {kind}; read cold, "
+                   f"a decode step at {ctx} tokens ({kv / 2**30:.2f} GiB of KV) would take {kv / (d['read'] * GB):.2f} s.")
+    return out
+
+
+def report(machine, cal, args, margs, contexts, modes, cuda):
+    """The probe's printout: environment, bandwidths, calibration, predictions, verdict."""
+    gpus = "CUDA is absent: host memcpy measured instead of host<->device links" if not machine["cuda_usable"] else \
+        f"{len(machine['gpus'])} device(s): {', '.join(machine['gpus'])}, {machine['device_free_gib']} of " \
+        f"{machine['device_total_gib']} GiB free" + ("" if cuda else " (not used: --device cpu)")
+    lines = [f"torch {machine['torch']} (CUDA build {machine['cuda_build']}), CUDA usable: {machine['cuda_usable']}, "
+             f"{gpus}; {machine['cpu_count']} CPUs, {machine['torch_threads']} torch threads, load {machine['loadavg']}",
+             "copy bandwidth GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in cal["link_gbps"].items()),
+             f"{args.ckpt}: {margs.n_layers} layers x {margs.n_kv_heads} kv heads x {margs.head_dim}, "
+             f"{margs.kv_bytes_per_token(DTYPES[args.dtype]) / 1024:.1f} KiB of {args.dtype} KV per token",
+             f"calibration: decode step {cal['step_s'] * 1e3:.2f} ms inside one chunk, " + ", ".join(
+                 f"{s * 1e3:.2f} ms with {n} sealed chunks" for n, s in cal["step_at_s"].items()) + f" per layer: "
+             f"{cal['chunk_s'] * 1e6:.0f} us per sealed chunk; mapped view {cal['mapped_view_s'] * 1e6:.1f} us, "
+             f"worker handoff {cal['worker_handoff_s'] * 1e6:.1f} us per chunk", "",
+             "| context | " + " | ".join(f"{m} decode tok/s (predicted)" for m in modes) + " |",
+             "|---" * (len(modes) + 1) + "|"]
+    for ctx in contexts:
+        p = [predict_decode(cal, ctx, m, args, margs, cuda) for m in modes]
+        lines.append(f"| {ctx} | " + " | ".join("-" if x is None else f"{x:,.1f}" for x in p) + " |")
+    return "\n".join(lines + [""] + verdict(cal, args, margs, contexts, modes, cuda))
