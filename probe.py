@@ -5,7 +5,7 @@ prediction that bench.py prints beside every measured decode speed.
 It measures the software (torch, CUDA, devices), the copy links (CUDA: pinned and pageable H2D and D2H, both at
 once; CPU: host memcpy), the disk of the offload dir around the page cache, zstd on the model's own KV, and a
 few costs of our own code: a decode step inside one chunk and one with a few sealed chunks (on synthetic KV, so
-no prefill is needed), and the per-chunk bookkeeping of offloaded chunks. From those and the checkpoint's KV
+no prefill is needed), and the worker-thread round trip each staged chunk pays. From those and the checkpoint's KV
 bytes per token, predict_decode() predicts decode tokens/s for each mode and context; verdict() says in words
 whether offload will pay here.
 """
@@ -161,20 +161,10 @@ def decode_step_s(model, ctx, chunk_size, steps=8):
         cache.store.close()
 
 
-def per_chunk_overheads(dirpath, n=2000):
-    """Seconds per chunk of the bookkeeping only offloaded chunks pay: a zero-copy tensor over a mapped file (the raw
-    disk tier's view() on CPU), and a worker-thread round trip (every staged chunk: zstd, or any chunk on CUDA)."""
-    path = os.path.join(dirpath, f".bench-map-{os.getpid()}")
-    mm = np.memmap(path, dtype=np.uint8, mode="w+", shape=(1 << 20,))
-    t = time.perf_counter()
-    for i in range(n):
-        torch.from_numpy(mm[(i % 8) * 4096:(i % 8) * 4096 + 65536]).view(torch.float32).view(2, 1, 2, 64, 64)
-    view_s = (time.perf_counter() - t) / n
-    del mm
-    os.remove(path)
+def worker_handoff_s(n=100):
+    """A round trip to a worker thread, what each staged chunk pays (zstd on CPU; every offloaded chunk on CUDA)."""
     with ThreadPoolExecutor(1) as pool:
-        handoff_s = median_time(lambda: [pool.submit(int).result() for _ in range(100)]) / 100
-    return {"mapped_view_s": view_s, "worker_handoff_s": handoff_s}
+        return median_time(lambda: [pool.submit(int).result() for _ in range(n)]) / n
 
 
 def calibrate(model, args, contexts, modes, disk=False):
@@ -185,7 +175,7 @@ def calibrate(model, args, contexts, modes, disk=False):
     cal = {"step_s": decode_step_s(model, 1, args.chunk_size), "link_gbps": link_bandwidth(args.device),
            "step_at_s": {n_b: decode_step_s(model, n_b * args.chunk_size, args.chunk_size)}}
     cal["chunk_s"] = max(0.0, cal["step_at_s"][n_b] - cal["step_s"]) / (model.args.n_layers * n_b)
-    cal.update(per_chunk_overheads(args.offload_dir))
+    cal["worker_handoff_s"] = worker_handoff_s()
     cal["zstd"] = zstd_on_real_kv(model, args.chunk_size) if "disk+zstd" in modes or disk else None
     if disk:
         cal["disk_gbps"] = disk_bandwidth(args.offload_dir, args.probe_mib << 20)
@@ -208,7 +198,7 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
         fixed   the measured decode step at a context inside one chunk (weights, open chunk, sampling, Python)
         a       attending to one sealed chunk: (step at n_b sealed chunks - fixed) / (L * n_b), measured
         n_off   L * (n_sealed - window) chunks not on the device (0 with --offload none); each costs instead:
-    CPU, cpu and raw disk: read in place, nothing moves: a, plus one mapped view for a disk chunk.
+    CPU, cpu and raw disk: read in place (disk through views of the mapped file made once), nothing moves: a.
     CPU, disk+zstd: the worker decompresses a chunk (d) a few staging slots ahead of attention: max(a, d + handoff),
     the slower end of the pipeline.
     CUDA: the worker (a handoff, plus a memcpy into a pinned bounce buffer for disk, or d for zstd) feeds a side
@@ -224,7 +214,7 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
     if cuda and mode != "none":
         per_off = max(a, worker, chunk / (link["h2d_pinned"] * GB))
     else:
-        per_off = max(a, worker) if mode == "disk+zstd" else a + (cal["mapped_view_s"] if mode == "disk" else 0.0)
+        per_off = max(a, worker) if mode == "disk+zstd" else a
     return 1.0 / (cal["step_s"] + (sealed - n_off) * a + n_off * per_off)
 
 
@@ -273,8 +263,8 @@ def report(machine, cal, args, margs, contexts, modes, cuda):
              f"{margs.kv_bytes_per_token(DTYPES[args.dtype]) / 1024:.1f} KiB of {args.dtype} KV per token",
              f"calibration: decode step {cal['step_s'] * 1e3:.2f} ms inside one chunk, " + ", ".join(
                  f"{s * 1e3:.2f} ms with {n} sealed chunks" for n, s in cal["step_at_s"].items()) + f" per layer: "
-             f"{cal['chunk_s'] * 1e6:.0f} us per sealed chunk; mapped view {cal['mapped_view_s'] * 1e6:.1f} us, "
-             f"worker handoff {cal['worker_handoff_s'] * 1e6:.1f} us per chunk", "",
+             f"{cal['chunk_s'] * 1e6:.0f} us per sealed chunk; worker handoff {cal['worker_handoff_s'] * 1e6:.1f} us "
+             "per staged chunk", "",
              "| context | " + " | ".join(f"{m} decode tok/s (predicted)" for m in modes) + " |",
              "|---" * (len(modes) + 1) + "|"]
     for ctx in contexts:

@@ -35,17 +35,18 @@ def test_bench_end_to_end_with_transformers(tmp_path):
             "--json", out)
     r = json.loads(out.read_text())
     assert set(r) == {"machine", "config", "calibration", "results", "hf"}
-    assert [(row["context"], row["mode"]) for row in r["results"]] == [(64, "none"), (64, "disk"), (128, "none"), (128, "disk")]
+    assert [(row["context"], row["mode"]) for row in r["results"]] == [(64, "none"), (64, "disk"),
+                                                                       (128, "none"), (128, "disk")]
     for row in r["results"]:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
-        assert row["prefill_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0 and row["predicted_decode_tokens_per_s"] > 0
+        assert min(row["prefill_tokens_per_s"], row["decode_tokens_per_s"], row["predicted_decode_tokens_per_s"]) > 0
         assert row["peak_device_bytes"] > 0 and row["peak_host_rss_bytes"] >= row["peak_host_anon_bytes"] > 0
     none, disk = r["results"][2], r["results"][3]
     assert none["decode_vs_none"] == 1.0 and none["bytes"]["disk_write"] == 0 and none["chunks"]["disk"] == 0
     assert disk["bytes"]["disk_write"] > 0 and disk["bytes"]["disk_read"] > 0 and disk["chunks"]["disk"] > 0
     # the random checkpoint is a real Hugging Face one: transformers loads it and decodes the same greedy ids
     assert [row["context"] for row in r["hf"]] == [64, 128] and all(row["greedy_ids_equal_ours"] for row in r["hf"])
-    assert r["config"]["model"] == {"dim": 32, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 8, "hidden": 64, "vocab": 128}
+    assert r["config"]["model"] == dict(dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=64, vocab=128)
     assert "| context | mode |" in p.stdout and "| 128 | disk |" in p.stdout and "DynamicCache" in p.stdout
     assert (model_dir / "config.json").exists() and not any(os.scandir(tmp_path / "kv")), "disk tier files left behind"
 
@@ -97,6 +98,6 @@ def test_random_model_refuses_a_non_empty_directory(tmp_path, capsys):
 
 def test_model_spec_presets_and_overrides():
     s = bench.parse_model_spec("7b-like", layers=4)
-    assert s == {"dim": 4096, "layers": 4, "heads": 32, "kv_heads": 32, "head_dim": 128, "hidden": 11008, "vocab": 32000}
+    assert s == dict(dim=4096, layers=4, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000)
     assert bench.parse_model_spec("7b-like,kv_heads=8")["kv_heads"] == 8
     assert bench.parse_model_spec(TINY)["head_dim"] == 32 // 4
