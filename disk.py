@@ -72,10 +72,10 @@ class DiskTier:
 
     def write(self, layer, j, src):
         """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored bytes)."""
-        if self.compress != "zstd":
-            dst = self.view(layer, j)
-            dst.copy_(src)
-            return self.chunk_bytes, zlib.crc32(as_bytes(dst))
+        if self.compress != "zstd":  # numpy, not torch, copies on the worker thread: a torch copy here would start
+            dst = as_bytes(self.view(layer, j))  # a second OpenMP team that slows every op of the main thread
+            dst[:] = as_bytes(src)
+            return self.chunk_bytes, zlib.crc32(dst)
         planes = as_bytes(src).reshape(-1, self.itemsize).T   # [itemsize, n]: all low bytes, then all high bytes
         blob = self.zc.compress(np.ascontiguousarray(planes).tobytes())
         off = self.ends[layer]
@@ -89,7 +89,7 @@ class DiskTier:
     def read_into(self, layer, j, dst):
         """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
         if self.compress != "zstd":
-            dst.copy_(self.view(layer, j))
+            as_bytes(dst)[:] = as_bytes(self.view(layer, j))
             return self.chunk_bytes
         planes = np.frombuffer(self.zd.decompress(self.blob(layer, j), max_output_size=self.chunk_bytes), np.uint8)
         as_bytes(dst).reshape(-1, self.itemsize)[:] = planes.reshape(self.itemsize, -1).T

@@ -73,7 +73,7 @@ def merge(state, o, lse):
         return o, lse
     o0, lse0 = state
     total = torch.logaddexp(lse0, lse)                             # [B, G, R*T, 1]
-    return o0 * torch.exp(lse0 - total) + o * torch.exp(lse - total), total
+    return o0.mul_(torch.exp(lse0 - total)).add_(o.mul_(torch.exp(lse - total))), total  # in place: o0, o are ours
 
 
 class KVCache:

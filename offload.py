@@ -40,7 +40,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from disk import ALIGN, DiskTier, round_up
+from disk import ALIGN, DiskTier, as_bytes, round_up
 
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
@@ -181,8 +181,8 @@ class TieredStore:
         if not self.cuda:  # CPU: staged only with zstd; decompress a disk chunk straight into the slot
             if where == "disk":
                 self._count("disk_read", self.disk.read_into(l, j, dst))
-            else:  # a host-pool chunk (--cpu-budget): attention reads the slot, so copy it there
-                dst.copy_(self.host[where[1]])
+            else:  # a host-pool chunk (--cpu-budget): attention reads the slot, so copy it there (numpy: see disk.py)
+                as_bytes(dst)[:] = as_bytes(self.host[where[1]])
             return
         if where == "disk":
             bounce = self.bounces[slot]
