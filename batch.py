@@ -5,7 +5,7 @@ Batch mode: many prompts from a JSONL file, run concurrently, each task with its
 
 Built to be killed: a result line is written whole (one write, then fsync) or not at all; a rerun of the same
 command skips ids already in the output and resumes unfinished tasks from their disk tier (see taskdir.py).
-A disk that fills up sends a task to the host tier (if --cpu-budget allows) or to a shorter context (if
+A disk that fills up sends a task to the host tier (if --fallback-cpu-budget allows) or to a shorter context (if
 --fallback-context allows); otherwise that task fails with one line. One failed task never stops the others.
 """
 import dataclasses
@@ -99,7 +99,7 @@ class Results:
         os.close(self.fd)
 
 
-def run_batch(args, model, tokenizer, cfg, fingerprint, monitor, run_one):
+def run_batch(args, cfg, monitor, run_one):
     """Run every task not yet in the output; returns the exit code (0 only if every task succeeded)."""
     log = monitor.log
     tasks, errors = read_tasks(args.prompts)
@@ -111,11 +111,10 @@ def run_batch(args, model, tokenizer, cfg, fingerprint, monitor, run_one):
         log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; skipping them")
 
     def one(task):
-        monitor.task_started(task["id"])
         try:
             result = with_fallbacks(task, args, cfg, run_one, log)
             results.append(result)
-            monitor.task_finished(task["id"], {**result["stats"], "new_tokens": len(result["tokens"])})
+            monitor.task_finished(task["id"], {**result["stats"], "prompt_tokens": result["prompt_tokens"]})
         except Exception as e:  # one failed task never stops the others
             monitor.task_finished(task["id"], error=one_line(e))
             log(f"task {task['id']}: FAILED: {one_line(e)}")
@@ -139,10 +138,12 @@ def with_fallbacks(task, args, cfg, run_one, log):
             raise
         where = os.path.join(cfg.offload_dir, safe_task_name(task["id"]))
         cause = str(e.strerror or e) + ("" if where in str(e.strerror) else f" in {where}")
-    if args.cpu_budget:
-        log(f"task {task['id']}: the disk tier failed ({cause}); falling back to host memory (--cpu-budget {args.cpu_budget} GiB)")
+    if args.fallback_cpu_budget:
+        log(f"task {task['id']}: the disk tier failed ({cause}); falling back to host memory "
+            f"(--fallback-cpu-budget {args.fallback_cpu_budget} GiB)")
         try:
-            result = run_one(task, dataclasses.replace(cfg, mode="cpu", compress="none"))
+            result = run_one(task, dataclasses.replace(cfg, mode="cpu", compress="none",
+                                                       cpu_budget_gib=args.fallback_cpu_budget))
             discard_task_dir(cfg.offload_dir, task["id"])
             return result
         except OffloadError as e:
@@ -154,7 +155,7 @@ def with_fallbacks(task, args, cfg, run_one, log):
         discard_task_dir(cfg.offload_dir, task["id"])
         return result
     raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a fallback with "
-                       "--cpu-budget GIB or --fallback-context N")
+                       "--fallback-cpu-budget GIB or --fallback-context N")
 
 
 def discard_task_dir(root, task_id):

@@ -33,15 +33,14 @@ import torch
 
 import probe
 from disk import DiskError
-from generate import DEMO_CKPT, DTYPES, UsageError, check_writable_dir
-from model import CheckpointError, ModelArgs, Transformer, ours_to_hf, read_json
-from monitor import host_memory, return_large_frees_to_os
+from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
+from model import CheckpointError, ModelArgs, Transformer, ours_to_hf
+from monitor import host_memory
 from offload import OffloadConfig, OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from task import run_task
 from taskdir import TaskDirError
 
-MODE_SPECS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "disk": ("disk", "none"), "disk+zstd": ("disk", "zstd")}
 SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
 PRESETS = {  # --random-model NAME[,key=value,...]
     "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000),  # Llama-2-7B
@@ -112,7 +111,7 @@ def run_ours(model, ids, args, mode, tag, new_tokens=None):
     offload, compress = MODE_SPECS[mode]
     cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress)
     marks = []  # when the first token was sampled, then when each decode step ended
-    new, st = run_task(model, None, ids, new_tokens or args.new_tokens, args.chunk_size, cfg,
+    new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size, cfg=cfg,
                        task_id=f"bench_{os.getpid()}_{tag}",
                        on_token=lambda out: len(out) == 1 and marks.append(time.perf_counter()),
                        on_step=lambda phase, *_: phase == "decode" and marks.append(time.perf_counter()))
@@ -253,23 +252,21 @@ def markdown(rows, hf_rows):
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", help="Hugging Face checkpoint directory (default: the demo model in assets/); with "
-                   "--random-model, a new directory to write the random model to (default: a temporary one)")
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, chunk_size=512, window=1, ckpt_help="Hugging Face checkpoint directory (default: the demo "
+                     "model in assets/); with --random-model, a new directory to write the random model to "
+                     "(default: a temporary one)")
+    for action in p._actions:
+        if action.dest == "window":  # the worst case, as the bench is for measuring what offload costs
+            action.help = ("sealed chunks per layer kept on the device (default 1: nearly all the context "
+                           "offloaded, the worst case; generate.py's default is 4)")
     p.add_argument("--random-model", metavar="SPEC", help=f"bench a random model: a preset {sorted(PRESETS)} and/or "
                    "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
     p.add_argument("--layers", type=int, help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
     p.add_argument("--contexts", default="1024,4096,8192", help="prompt lengths, comma separated (default 1024,4096,8192)")
     p.add_argument("--modes", default="none,cpu,disk,disk+zstd", help=f"comma list of {list(MODE_SPECS)} (default all)")
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per run (default 32)")
-    p.add_argument("--chunk-size", type=int, default=512, help="positions per KV chunk (default 512, as generate.py)")
-    p.add_argument("--window", type=int, default=1, help="sealed chunks per layer kept on the device (default 1: nearly "
-                   "all the context offloaded, the worst case; generate.py's default is 4)")
-    p.add_argument("--offload-dir", default="./kv_cache_offload", help="disk tier root; what --probe measures")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default fp32)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's choice; on a busy "
-                   "machine 1 avoids OpenMP threads spinning at barriers while a core is taken)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each context and mode, medians reported (default 3)")
     p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
@@ -294,13 +291,11 @@ def check(args):
         raise UsageError(f"--contexts must be positive token counts, got {args.contexts!r}")
     if not modes or any(m not in MODE_SPECS for m in modes):
         raise UsageError(f"--modes: {args.modes!r} is not a comma list of {list(MODE_SPECS)}")
-    if min(args.new_tokens - 1, args.chunk_size, args.repeats, args.probe_mib // 8, args.window + 1, args.threads + 1) < 1:
-        raise UsageError("--new-tokens must be >= 2, --chunk-size and --repeats >= 1, --probe-mib >= 8, "
-                         "--window and --threads >= 0")
+    if min(args.new_tokens - 1, args.repeats, args.probe_mib // 8) < 1:
+        raise UsageError("--new-tokens must be >= 2, --repeats >= 1 and --probe-mib >= 8")
     if args.layers is not None and (args.layers < 1 or not args.random_model):
         raise UsageError("--layers goes with --random-model and must be >= 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+    check_common(args, needs_disk=True)  # the disk tier, the probe's scratch files
     for flag, name, needed in (("--vs-hf", "transformers", args.vs_hf and not args.probe),
                                ("--modes disk+zstd", "zstandard", "disk+zstd" in modes and not args.probe)):
         try:
@@ -316,7 +311,6 @@ def check(args):
                              "model; give a new directory, or drop --random-model to bench the model already there")
     elif not os.path.isdir(args.ckpt or DEMO_CKPT):
         raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
-    check_writable_dir(args.offload_dir)  # the disk tier, the probe's scratch files
     return contexts, modes
 
 
@@ -325,15 +319,13 @@ def main(argv=None):
     tmp = None
     try:
         contexts, modes = check(args)
-        return_large_frees_to_os()  # as generate.py does; after the checks, so that bad flags change nothing
         if args.threads:
             torch.set_num_threads(args.threads)
         if args.random_model:
             tmp = None if args.ckpt else tempfile.mkdtemp(prefix="bench-model-")
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, DTYPES[args.dtype], args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
-        path = os.path.join(args.ckpt, "config.json")
-        margs = ModelArgs.from_config(read_json(path), path)
+        margs = read_model_args(args.ckpt)
         if max(contexts) + args.new_tokens > margs.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")

@@ -3,7 +3,7 @@ The disk tier: np.memmap files (or zstd blobs) in one directory per task, and th
 
 On CPU a raw chunk is read in place: `view()` is a zero-copy tensor over the mapped file, so its pages belong
 to the page cache (RssFile, which the OS may evict), not to the process (RssAnon). On CUDA the store copies
-chunks through pinned bounce buffers with `read_into()` / `write()`.
+chunks through pinned bounce buffers with `read_into()` (one pread) and `write()`.
 """
 import errno
 import mmap
@@ -45,16 +45,15 @@ class DiskTier:
                 self.ends = [max([o + n for (l2, _), (o, n) in self.index.items() if l2 == l], default=0)
                              for l in range(n_layers)]
             else:
-                self.maps = []
+                self.maps, self.fds = [], []
                 for l in range(n_layers):
                     f = os.path.join(path, f"layer{l}.kv")
-                    fd = os.open(f, flags, 0o600)
-                    try:
-                        reserve(fd, n_chunks * self.slot_bytes)
-                    finally:
-                        os.close(fd)
+                    self.fds.append(os.open(f, flags, 0o600))
+                    reserve(self.fds[-1], n_chunks * self.slot_bytes)
                     self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(n_chunks * self.slot_bytes,)))
         except OSError as e:
+            for fd in getattr(self, "fds", []):
+                os.close(fd)
             raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
 
     def view(self, layer, j):
@@ -88,9 +87,12 @@ class DiskTier:
 
     def read_into(self, layer, j, dst):
         """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
-        if self.compress != "zstd":
-            as_bytes(dst)[:] = as_bytes(self.view(layer, j))
-            return self.chunk_bytes
+        if self.compress != "zstd":  # one pread into dst (a pinned bounce on CUDA): the kernel reads ahead, where
+            buf = as_bytes(dst)        # copying through the mapping would fault the pages in 4 KiB at a time
+            n = retry(lambda: os.preadv(self.fds[layer], [buf], j * self.slot_bytes))
+            if n != self.chunk_bytes:
+                raise OSError(errno.EIO, f"{self.path}/layer{layer}.kv: short read of chunk {j}")
+            return n
         planes = np.frombuffer(self.zd.decompress(self.blob(layer, j), max_output_size=self.chunk_bytes), np.uint8)
         as_bytes(dst).reshape(-1, self.itemsize)[:] = planes.reshape(self.itemsize, -1).T
         return self.index[(layer, j)][1]
@@ -112,7 +114,7 @@ class DiskTier:
         """Make every write so far durable (msync / fsync) before a manifest vouches for it."""
         for m in getattr(self, "maps", []):
             m.flush()
-        for fd in getattr(self, "fds", []):
+        for fd in self.fds if self.compress == "zstd" else []:
             os.fsync(fd)
 
     def close(self):

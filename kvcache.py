@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from offload import TieredStore
+
 
 # The fused CPU flash-attention kernel (torch >= 2.3) returns the log-sum-exp an exact merge needs; elsewhere (CUDA,
 # older torch) the same partial is computed with plain matmuls. Which one runs depends on the device and torch
@@ -76,13 +78,30 @@ def merge(state, o, lse):
     return o0.mul_(torch.exp(lse0 - total)).add_(o.mul_(torch.exp(lse - total))), total  # in place: o0, o are ours
 
 
+def merge_group(parts):
+    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T, 1]), ...] of one query block merged at once, exactly: five
+    kernels for the group instead of six per chunk, which is most of what a chunk visit costs in a decode step."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.cat([l for _, l in parts], dim=-1)                 # [B, G, R*T, n]
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)             # [B, G, R*T, 1]
+    w = torch.exp(lse - total).unsqueeze(-1)                       # [B, G, R*T, n, 1]
+    o = torch.stack([o for o, _ in parts], dim=-1)                 # [B, G, R*T, D, n]
+    return torch.matmul(o, w).squeeze(-1), total                   # [B, G, R*T, D]
+
+
+MERGE_GROUP_BYTES = 4 << 20  # partials stacked per group merge: all of a decode step's, a few of a prefill chunk's
+
+
 class KVCache:
     """Positions, the open chunk and the attention schedule; the store (offload.py) owns every byte.
 
-    Use it through three calls per forward step of T tokens, as generate.forward does:
-        cache.begin(T)          # check the step fits in the open chunk; the store starts prefetching
-        model(tokens, cache)    # each layer calls cache.attend(layer, q, k, v)
-        cache.end()             # advance; a full open chunk is sealed and placed by the store
+    A forward step of T tokens, as generate.forward runs it:
+        cache.begin(T)                   # check the step fits in the open chunk (bookkeeping only)
+        cache.store.prefetch(n_sealed)   # the store starts bringing this step's offloaded chunks
+        model(tokens, cache)             # each layer calls cache.attend(layer, q, k, v)
+        if cache.commit():               # advance; True when the open chunk is now full
+            cache.store.seal(j)          # the full chunk joins the window, the oldest window chunk is offloaded
     A step never crosses a chunk boundary (prefill feeds at most C tokens, aligned to chunks), so each
     step's queries all sit in the open chunk.
     """
@@ -105,11 +124,13 @@ class KVCache:
         if self.length + T > self.store.max_length:
             raise ValueError(f"the cache holds {self.store.max_length} positions; position {self.length + T} is past it")
         self.T = T
-        self.store.prefetch(self.n_sealed)  # queue the sealed chunks not on the device, in the order attend reads them
 
     def attend(self, layer, q, k, v):
         """q [B, H, T, D], k, v [B, G, T, D] at positions [length, length+T) -> attention output [B, H, T, D]."""
         B, H, T, D = q.shape
+        if T != self.T:  # model(tokens, cache) called without begin(T): give the same clear error begin gives
+            self.begin(T)
+            raise ValueError(f"call cache.begin({T}) before model(tokens, cache), as generate.forward does")
         G = k.shape[1]
         R = H // G
         off = self.length % self.chunk_size
@@ -117,16 +138,31 @@ class KVCache:
         kv[0, :, :, off:off + T] = k
         kv[1, :, :, off:off + T] = v
         q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)  # rows are (r, t) pairs
-        state = None
+        group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))          # a function of shapes only: placement-free
+        state, parts, load, release = None, [], self.store.load, self.store.release
         for j in range(self.n_sealed):                                 # sealed chunks: every key is in the past
-            k_j, v_j = self.store.load(layer, j)                       # [B, G, C, D] each, on the device
-            state = merge(state, *attend_chunk(q, k_j, v_j))
-            self.store.release(layer, j)                               # its staging slot may be refilled
-        o, _ = merge(state, *attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R))
+            k_j, v_j = load(layer, j)                                  # [B, G, C, D] each, on the device
+            parts.append(attend_chunk(q, k_j, v_j))
+            release(layer, j)                                          # its staging slot may be refilled
+            if len(parts) == group:
+                state, parts = merge(state, *merge_group(parts)), []
+        parts.append(attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R))
+        o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
-    def end(self):
+    def commit(self):
+        """The step's positions are written on every layer: advance. True when the open chunk is now full and
+        must be sealed (the caller does that, visibly: it moves data)."""
         self.length += self.T
         self.T = 0
-        if self.length % self.chunk_size == 0:
-            self.store.seal(self.length // self.chunk_size - 1)  # every layer's open chunk goes to the store
+        return self.length % self.chunk_size == 0
+
+
+def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None):
+    """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says.
+    disk_path, restore and on_durable are the resume hooks of task.py (see TieredStore)."""
+    a, emb = model.args, model.tok_embeddings.weight
+    store = TieredStore(shape=(2, 1, a.n_kv_heads, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
+                        max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
+                        on_durable=on_durable)
+    return KVCache(store)

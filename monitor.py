@@ -5,12 +5,12 @@ What a long job is doing: process memory, a trace with one event per step, alert
                            KV bytes on the device tier), "device_peak", "host_rss",
                            "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved since the task's last
                            event, "chunks": {device, host, disk}}, plus {"alert": ...} events
-    alerts (stderr + trace): a task running over 2x the mean time of finished tasks; host memory over 80% of the
-    machine's RAM (the job is about to swap); offload configured but no chunk leaving the device once the context
-    has outgrown the window (offload is not in effect).
+    alerts (stderr + trace): a task running over 2x the time that the finished tasks' mean rates (seconds per
+    prompt token, per generated token) give for the work it has done; host memory over 80% of the machine's RAM
+    (the job is about to swap); offload configured but no chunk leaving the device once the context has outgrown
+    the window (offload is not in effect).
 tools/plot_trace.py draws a trace.
 """
-import ctypes
 import json
 import os
 import sys
@@ -43,29 +43,36 @@ def total_ram():
         return 0
 
 
-def return_large_frees_to_os(threshold=1 << 20):
-    """glibc raises its mmap threshold after each large free; from then on big temporaries (the attention scores of
-    a prefill chunk) come from the heap, which fragments and is rarely trimmed, so resident memory creeps up with
-    the context although nothing holds it. A fixed threshold keeps big blocks in mmap: freed, they go back to the OS. (The price: each MiB-sized temporary is a fresh mapping, and its page faults cost prefill
-    some system time; a 64 MiB threshold measured faster but let RssAnon creep again.)"""
+def process_io():
+    """Bytes this process has asked of storage so far (/proc/self/io read_bytes, write_bytes): the real device I/O,
+    unlike reads through a mapping that the page cache serves. Zeros where the kernel does not say."""
+    out = {"storage_read": 0, "storage_write": 0}
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to do
+        with open("/proc/self/io") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in ("read_bytes", "write_bytes"):
+                    out["storage_read" if key == "read_bytes" else "storage_write"] = int(val)
+    except OSError:
         pass
+    return out
 
 
 class Monitor:
     """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts, keeps totals for the summary."""
 
     def __init__(self, trace_path=None, log=None, ram=None):
-        self.trace = open(trace_path, "a", buffering=1) if trace_path else None
+        self.trace = open(trace_path, "a", buffering=1) if trace_path else None  # appended to: runs accumulate
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.ram = total_ram() if ram is None else ram
         self.lock = threading.Lock()
-        self.durations, self.started, self.last = [], {}, {}
+        self.started, self.last = {}, {}  # task -> (start time, prompt tokens); task -> bytes at its last event
+        self.rates = {"prefill_s": 0.0, "prompt_tokens": 0, "decode_s": 0.0, "decoded": 0}  # of finished tasks
         self.alerted = set()
         self.totals = {"done": 0, "failed": [], "resumed": 0, "new_tokens": 0, "decode_s": 0.0, "peak_device": 0,
-                       "peak_rss": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}}
+                       "peak_rss": 0, "bytes": {}}
+
+        self._emit({"t": time.time(), "run_start": {"pid": os.getpid(), "argv": sys.argv}})  # where a run begins
 
     def _emit(self, event):
         if self.trace:
@@ -81,35 +88,54 @@ class Monitor:
         self.log(f"ALERT: {msg}")
         self._emit({"t": time.time(), "task": task, "alert": key, "message": msg})
 
-    def task_started(self, task):
-        self.started[task] = time.perf_counter()
+    def task_started(self, task, prompt_tokens=0):
+        with self.lock:
+            self.started[task] = (time.perf_counter(), prompt_tokens)
+
+    def expected_s(self, prompt_tokens, position):
+        """How long a task should take to reach `position`, at the mean rates of the finished tasks: prefill
+        seconds per prompt token and decode seconds per generated token. None before any task has finished."""
+        done = self.rates
+        if not done["prompt_tokens"] and not done["decoded"]:
+            return None
+        prefill = done["prefill_s"] / max(done["prompt_tokens"], 1)
+        decode = done["decode_s"] / max(done["decoded"], 1)
+        return min(position, prompt_tokens) * prefill + max(0, position - prompt_tokens) * decode
 
     def step(self, task, phase, cache):
         """After every forward step of a task: one trace event, and the alerts that can fire mid-task."""
-        store, mem = cache.store, host_memory()
-        cuda = store.cuda
-        moved = dict(store.bytes)
+        snap, mem = cache.store.snapshot(cache.length % cache.chunk_size), host_memory()
+        moved = snap["bytes"]
         prev = self.last.get(task, {k: 0 for k in moved})
         self.last[task] = moved
-        chunks = store.stats()["chunks"]
+        cuda, device = cache.store.cuda, cache.store.device
         self._emit({"t": time.time(), "task": task, "phase": phase, "position": cache.length,
-                    "device_allocated": torch.cuda.memory_allocated(store.device) if cuda
-                    else store.kv_bytes_on_device(cache.length % cache.chunk_size),
-                    "device_peak": torch.cuda.max_memory_allocated(store.device) if cuda else store.peak_device_bytes,
+                    "device_allocated": torch.cuda.memory_allocated(device) if cuda else snap["kv_device_bytes"],
+                    "device_peak": torch.cuda.max_memory_allocated(device) if cuda else snap["kv_device_bytes_peak"],
                     "host_rss": mem["rss"], "host_anon": mem["anon"],
-                    "bytes": {k: moved[k] - prev[k] for k in moved}, "chunks": chunks})
+                    "bytes": {k: moved[k] - prev[k] for k in moved}, "chunks": snap["chunks"]})
         if self.ram and mem["rss"] > 0.8 * self.ram:
             self.alert("host_memory", f"host memory {mem['rss'] / 2**30:.1f} GiB is over 80% of this machine's "
                        f"{self.ram / 2**30:.1f} GiB: the job is about to swap; lower --concurrency or --cpu-budget")
-        if (store.cfg.mode != "none" and cache.n_sealed > store.window and chunks["host"] + chunks["disk"] == 0):
+        chunks = snap["chunks"]
+        if snap["offloading"] and cache.n_sealed > snap["window"] and chunks["host"] + chunks["disk"] == 0:
             self.alert("offload_not_in_effect", f"task {task}: {cache.n_sealed} chunks sealed, window "
-                       f"{store.window}, yet none left the device: offload is not in effect", task)
+                       f"{snap['window']}, yet none left the device: offload is not in effect", task)
         with self.lock:
-            mean = sum(self.durations) / len(self.durations) if self.durations else None
-        elapsed = time.perf_counter() - self.started.get(task, time.perf_counter())
-        if mean and elapsed > 2 * mean:
-            self.alert("slow_task", f"task {task} has run {elapsed:.1f}s, over 2x the mean {mean:.1f}s of "
-                       "finished tasks", task)
+            began, prompt_tokens = self.started.get(task, (time.perf_counter(), 0))
+            expected = self.expected_s(prompt_tokens, cache.length)
+        elapsed = time.perf_counter() - began
+        if expected and elapsed > 2 * expected:  # per unit of work: a longer task is not a slow one
+            self.alert("slow_task", f"task {task} has run {elapsed:.1f}s to position {cache.length}, over 2x the "
+                       f"{expected:.1f}s that the mean rates of finished tasks give for that much work", task)
+
+    def context_stayed_on_device(self, task, stats, chunk_size, window):
+        """Offload configured, yet the whole context fitted in the device window: say so once, with the fix."""
+        c = stats["chunks"]
+        if c["host"] + c["disk"] == 0:
+            self.log(f"task {task}: offload is on, but the context ({c['device']} chunks per layer of {chunk_size} "
+                     f"positions, counting the open one) fits in the device window (--window {window}), so nothing "
+                     "left the device; lower --window or --chunk-size to offload")
 
     def task_finished(self, task, stats=None, error=None):
         with self.lock:
@@ -118,15 +144,18 @@ class Monitor:
                 self.started.pop(task, None)
                 t["failed"].append((task, error))
             else:
-                self.durations.append(time.perf_counter() - self.started.pop(task, time.perf_counter()))
+                self.started.pop(task, None)
+                for key, stat in (("prefill_s", "prefill_s"), ("prompt_tokens", "prompt_tokens"),
+                                  ("decode_s", "decode_s"), ("decoded", "decoded_tokens")):
+                    self.rates[key] += stats.get(stat, 0)
                 t["done"] += 1
                 t["resumed"] += stats.get("resumed_from", 0) > 0
                 t["decode_s"] += stats["decode_s"]
-                t["new_tokens"] += stats.get("new_tokens", 0)
+                t["new_tokens"] += stats.get("decoded_tokens", 0)  # replayed tokens of a resumed task: not decoded
                 t["peak_device"] = max(t["peak_device"], stats["peak_device_bytes"])
                 t["peak_rss"] = max(t["peak_rss"], stats["peak_host_rss_bytes"])
                 for k, v in stats["bytes"].items():
-                    t["bytes"][k] += v
+                    t["bytes"][k] = t["bytes"].get(k, 0) + v
 
     def summary(self):
         t = self.totals

@@ -4,36 +4,42 @@ Where the bytes of the KV cache live, and how they move between the tiers.
     compute device            host memory                     disk (one directory per task)
     +------------------+      +------------------------+      +-------------------------------+
     | open chunk       | seal | host pool, allocated   |      | layer{l}.kv  np.memmap, chunk |
-    | window of W most |----->| once, pinned on CUDA   |      |   j at byte j * slot_bytes    |
-    | recent chunks    | evict|  (--cpu-budget GiB)    |      | layer{l}.zst zstd blobs +     |
+    | window of W most |----->| once, its exact bytes  |      |   j at byte j * slot_bytes    |
+    | recent chunks    | evict|  pinned on CUDA        |      | layer{l}.zst zstd blobs +     |
     | staging slots    |<-----+------------------------+      |   an index (--compress zstd)  |
-    +------------------+  prefetch (copy stream / worker thread) <------------------------------+
+    +------------------+  prefetch (copy stream / reader thread) <------------------------------+
 
 A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D] tensor (K at [0], V at [1]).
-The store's verbs, in the order generate.py's loop calls them (through kvcache.py):
+The store's verbs, in the order generate.forward calls them:
     prefetch(n)   start of a step: queue every sealed chunk not on the device, in the order attention reads them
     open_chunk(l) the device buffer that layer l writes this step's K and V into
     load(l, j)    chunk j of layer l as device tensors (waits for its prefetch if it was staged)
     release(l, j) attention is done with it; its staging slot may be refilled
-    seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is evicted
-    close()       stop the worker, remove the task's files
+    seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
+    close()       stop the workers, give back pinned memory, close the files
+Four pieces do the work: HostPool (the host tier and the pinned bounce buffers), Staging (device slots filled
+ahead of attention), a reader thread (disk reads, zstd) and a writer thread (disk writes and the syncs a
+manifest needs: on a thread of their own so that a chunk boundary never delays the next step's prefetch).
 
-Stream ordering on CUDA (../DESIGN.md section 3), each marked in the code as "rule N":
+Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
+silently, so every wait is marked in the code as "rule N":
     1. a device-to-host copy of a sealed chunk waits for the compute that wrote it;
     2. compute that reads a staged chunk waits for the copy that brought it;
     3. a staging slot is overwritten only after the compute that last read it has finished;
-    4. a pinned bounce buffer is read or refilled by the CPU only after the copy into/out of it has finished;
+    4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
+       only after the copy out of it has finished;
     5. a device buffer given back to the pool is reused only after the copy out of it has finished.
-On CPU there are no streams: "device" and host are the same memory. Without compression, host chunks and raw disk
-chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages belong to the page
-cache, not to the process) and the worker thread writes disk chunks and asks the OS to page them in ahead of use;
-with zstd, the worker decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
+Evictions (device to host) run on their own stream, prefetches (host to device) on another, so neither queues
+behind the other. On CPU there are no streams: "device" and host are the same memory. Without compression, host
+chunks and raw disk chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages
+belong to the page cache, not to the process); with zstd, the reader decompresses disk chunks (and copies host
+chunks) into staging slots ahead of attention.
 """
 import os
+import queue
 import threading
 from collections import deque
-from contextlib import nullcontext
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,147 +60,221 @@ class OffloadError(RuntimeError):
 class OffloadConfig:
     mode: str = "none"                   # none | cpu | disk: where sealed chunks beyond the window go
     window: int = 4                      # W: most recent sealed chunks per layer kept on the device
-    cpu_budget_gib: Optional[float] = None  # host tier size; None = as much as the task needs (cpu), 0 (disk)
+    cpu_budget_gib: Optional[float] = None  # host tier in front of the disk; None = all the task needs (cpu), 0 (disk)
     offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/task_<id>/
     compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
     keep_files: bool = False             # keep the task's directory after success (it is always kept on failure)
 
 
+def on_cuda(device):
+    """Whether the store drives CUDA streams and pinned memory for `device`. The emulated CUDA tests patch this one
+    function, so that the CUDA path runs (and is checked for races) on CPU tensors."""
+    return torch.device(device).type == "cuda"
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a sealed chunk lives: on the device, in slot `slot` of the host pool, or on disk."""
+    tier: str       # "device" | "host" | "disk"
+    slot: int = -1  # host pool slot, for the host tier
+
+
+DEVICE, DISK = Loc("device"), Loc("disk")
+
+
+@dataclass
+class Fence:
+    """What must finish before a buffer is reused: a copy out of it (a CUDA event) and/or a disk write (a future)."""
+    event: Optional[object] = None
+    future: Optional[Future] = None
+
+
+def alloc_chunks(n, shape, dtype, device):
+    """(flat buffer, n chunk tensors carved from it), each chunk starting on an ALIGN boundary, so that a chunk has
+    the same alignment in every tier and every kernel sees identically laid out inputs."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    slot = round_up(nbytes, ALIGN)
+    flat = torch.empty(max(n, 1) * slot + ALIGN, dtype=torch.uint8, device=device)
+    base = (-flat.data_ptr()) % ALIGN                        # the allocator's own alignment may be less than a page
+    return flat, [flat[base + i * slot:base + i * slot + nbytes].view(dtype).view(shape) for i in range(n)]
+
+
+class HostPool:
+    """`n` chunk slots in host memory, allocated once. With pin=True their exact bytes are page-locked by registering
+    them with the CUDA driver, and unregistered at close(): torch's pinned allocator would round each request up to
+    a power of two and keep it pinned until the process exits (a 9 GiB budget would pin 16 GiB, for good)."""
+
+    def __init__(self, n, shape, dtype, pin):
+        self.flat, self.slots = alloc_chunks(n, shape, dtype, "cpu")
+        self.free = list(range(n - 1, -1, -1))
+        self.pinned_bytes = 0
+        if pin and n:
+            self.pinned_bytes = self.flat.numel()
+            if int(torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.pinned_bytes, 1)) != 0:
+                raise OffloadError(f"cannot pin {self.pinned_bytes / 2**30:.2f} GiB of host memory for the host "
+                                   "tier; lower --cpu-budget (or raise the locked-memory limit, ulimit -l)")
+
+    def close(self):
+        if self.pinned_bytes:
+            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            self.pinned_bytes = 0
+
+
+class Staging:
+    """`n` device slots that prefetched chunks land in, in attention's order, a few chunks ahead of it. On CUDA each
+    slot has an event recorded when its copy is issued (ready) and one recorded when attention is done with it
+    (released); both are recorded once at creation so that the first wait on them waits for nothing pending."""
+
+    def __init__(self, n, shape, dtype, device, cuda):
+        self.flat, self.slots = alloc_chunks(n, shape, dtype, device)
+        self.free = list(range(n - 1, -1, -1))
+        self.queue, self.inflight = deque(), deque()   # (layer, j) to stage; (layer, j, slot, future) staged
+        if cuda:
+            self.ready = [torch.cuda.Event() for _ in range(n)]
+            self.released = [torch.cuda.Event() for _ in range(n)]
+            for e in self.ready + self.released:
+                e.record()
+
+
 # -----------------------------------------------------------------------------
 # the store
 
 class TieredStore:
-    """The chunks of one task (one sequence batch) across device, host and disk."""
+    """The chunks of one task (one sequence batch) across device, host and disk. Every keyword has one meaning:
+    shape/dtype of a chunk, n_layers, max_length (positions the task may reach), device, cfg (OffloadConfig);
+    disk_path (the task's directory), restore (a manifest's "chunks", to resume from) and on_durable(n, chunks),
+    called on the writer thread once chunks 0..n-1 of every layer are on disk and synced, with their checksums."""
 
-    def __init__(self, n_layers, batch, kv_heads, head_dim, chunk_size, max_length, device, dtype, cfg,
-                 disk_path=None, restore=None, on_durable=None):
-        """disk_path: the task's directory for the disk tier. restore: a manifest's "chunks" to resume from
-        (see restore()). on_durable(n, chunks): called on the worker thread once chunks 0..n-1 of every layer
-        are on disk and synced, with their checksums, so the caller can write a manifest."""
-        if cfg.mode not in MODES:
-            raise OffloadError(f"--offload must be one of {MODES}, got {cfg.mode!r}")
-        if cfg.compress not in COMPRESSIONS:
-            raise OffloadError(f"--compress must be one of {COMPRESSIONS}, got {cfg.compress!r}")
+    def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None, restore=None,
+                 on_durable=None):
+        C = shape[3]
+        if cfg.mode not in MODES or cfg.compress not in COMPRESSIONS:
+            raise OffloadError(f"--offload must be one of {MODES} and --compress one of {COMPRESSIONS}")
         if cfg.compress == "zstd" and cfg.mode != "disk":
             raise OffloadError("--compress zstd applies to the disk tier only; add --offload disk")
-        if chunk_size < 1 or cfg.window < 0 or cfg.staging_slots < 1:
+        if C < 1 or cfg.window < 0 or cfg.staging_slots < 1:
             raise OffloadError("--chunk-size and staging slots must be >= 1 and --window >= 0")
-        self.n_layers, self.chunk_size, self.max_length, self.cfg = n_layers, chunk_size, max_length, cfg
-        self.device, self.dtype = torch.device(device), dtype
-        self.cuda = self.device.type == "cuda"
-        self.shape = (2, batch, kv_heads, chunk_size, head_dim)                 # one chunk: K and V, [2, B, G, C, D]
-        self.chunk_bytes = int(np.prod(self.shape)) * torch.empty((), dtype=dtype).element_size()
+        self.shape, self.dtype, self.n_layers, self.max_length, self.cfg = shape, dtype, n_layers, max_length, cfg
+        self.chunk_size, self.device, self.cuda = C, torch.device(device), on_cuda(device)
+        self.chunk_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
-        self.n_chunks = -(-max_length // chunk_size)                            # chunks per layer for max_length
+        self.n_chunks = -(-max_length // C)                                  # chunks per layer for max_length
         self.window = self.n_chunks if cfg.mode == "none" else cfg.window
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0}
+        self.count_lock = threading.Lock()
 
-        # host tier: one pool, allocated (and on CUDA pinned) once, sized to what the task can need
-        evictable = n_layers * max(0, self.n_chunks - 1 - self.window)          # the last chunk is never sealed+evicted
+        # the device tier: each layer's open chunk, the window, buffers given back by evictions
+        self.open = [None] * n_layers
+        self.resident = {}                     # (layer, j) -> device chunk [2, B, G, C, D]
+        self.free = deque()                    # (device chunk, Fence): reusable once the fence has passed
+        self.loc = {}                          # (layer, j) -> Loc of every sealed chunk
+        self.device_buffers, self.peak_device_bytes = 0, 0
+
+        # the host tier, sized to what the task can need (the last chunk is never sealed and evicted)
+        offloaded = 0 if cfg.mode == "none" else n_layers * max(0, self.n_chunks - 1 - self.window)
         budget = cfg.cpu_budget_gib if cfg.cpu_budget_gib is not None else (None if cfg.mode == "cpu" else 0)
-        host_slots = evictable if budget is None else min(evictable, int(budget * 2**30) // self.slot_bytes)
-        if cfg.mode == "cpu" and host_slots < evictable:
-            need = evictable * self.slot_bytes / 2**30
-            raise OffloadError(f"--cpu-budget {budget} GiB holds {host_slots} of the {evictable} chunks this task "
-                               f"offloads ({need:.2f} GiB); raise it, widen --window, or use --offload disk")
-        self.host = self._alloc(host_slots, "cpu", pin=self.cuda) if cfg.mode != "none" else None
-        self.host_free = list(range(host_slots - 1, -1, -1))
-        self.disk = None
+        n_host = offloaded if budget is None else min(offloaded, int(budget * 2**30) // self.slot_bytes)
+        if cfg.mode == "cpu" and n_host < offloaded:
+            raise OffloadError(f"--cpu-budget {budget} GiB holds {n_host} of the {offloaded} chunks this task "
+                               f"offloads ({offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, widen --window, "
+                               "or use --offload disk")
+        self.host = HostPool(n_host, shape, dtype, pin=self.cuda)
+
+        # the disk tier and its two threads: the reader (prefetch) and the writer (writes, then syncs)
+        self.disk, self.written, self.checksums = None, {}, {}  # written: (layer, j) -> future of its disk write
+        self.on_durable, self.disk_prefix, self.durable = on_durable, 0, None  # chunks < disk_prefix: on disk
         if cfg.mode == "disk":
             blobs = {(l, int(j)): tuple(c["blob"][l]) for j, c in (restore or {}).items() if c.get("blob")
                      for l in range(n_layers)}
             self.disk = DiskTier(disk_path or os.path.join(cfg.offload_dir, "task"), n_layers, self.n_chunks,
-                                 self.shape, dtype, cfg.compress, restore=blobs if restore else None)
+                                 shape, dtype, cfg.compress, restore=blobs if restore else None)
+        offloading = cfg.mode != "none"
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None
 
-        # device tier: the open chunk per layer, the window, and buffers returned by evictions
-        self.open = [None] * n_layers
-        self.resident = {}                    # (layer, j) -> device chunk [2, B, G, C, D]
-        self.free = deque()                   # (device chunk, fence) that may be reused once the fence is passed
-        self.where = {}                       # (layer, j) -> "device" | ("host", slot) | "disk"
-        self.written = {}                     # (layer, j) -> future of its disk write
-        self.checksums = {}                   # (layer, j) -> CRC32 of the chunk as stored on disk
-        self.on_durable, self.disk_prefix = on_durable, 0  # chunks 0..disk_prefix-1 are on disk for every layer
-        self.durable = None                   # future of the last manifest write
-        self.device_buffers = 0
-
-        # prefetch: staging slots, a FIFO worker thread (disk I/O, zstd, and on CUDA the copies it issues)
-        self.staged = self.cuda or cfg.compress == "zstd"  # else host and raw-disk chunks are read in place (CPU)
-        n_slots = cfg.staging_slots if (self.staged and cfg.mode != "none") else 0
-        self.slots = [self._alloc(1, self.device)[0] for _ in range(n_slots)]
-        self.slot_free = list(range(n_slots - 1, -1, -1))
-        self.queue, self.inflight = deque(), deque()
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="kv-offload") if cfg.mode != "none" else None
-        self.lock = threading.Lock()
-        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}
-        self.peak_device_bytes = 0
+        # prefetch: on CUDA every offloaded chunk is staged; on CPU only zstd chunks (the rest is read in place)
+        self.staged = offloading and (self.cuda or cfg.compress == "zstd")
+        self.staging = Staging(cfg.staging_slots if self.staged else 0, shape, dtype, self.device, self.cuda)
         if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
-            self.slot_ready = [torch.cuda.Event() for _ in range(n_slots)]     # recorded on the copy stream
-            self.slot_released = [torch.cuda.Event() for _ in range(n_slots)]  # recorded on the compute stream
-            self.bounces = [self._alloc(1, "cpu", pin=True)[0] for _ in range(n_slots)] if self.disk else []
-            self.write_bounces = deque(self._alloc(1, "cpu", pin=True)[0] for _ in range(n_layers if self.disk else 0))
-
-    def _alloc(self, n, device, pin=False):
-        """n chunk tensors carved from one flat buffer, each starting on an ALIGN boundary."""
-        flat = torch.empty(max(n, 1) * self.slot_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
-        return [flat[i * self.slot_bytes:i * self.slot_bytes + self.chunk_bytes].view(self.dtype).view(self.shape)
-                for i in range(n)]
+            self.copy_stream = torch.cuda.Stream(self.device)   # host/disk -> device: prefetches
+            self.evict_stream = torch.cuda.Stream(self.device)  # device -> host: evictions
+            self.evicted = {}                                   # (layer, j) -> event: its D2H copy into the host pool
+            n_disk = len(self.staging.slots) if self.disk else 0
+            self.read_bounces = HostPool(n_disk, shape, dtype, pin=True)            # disk -> here -> device
+            self.write_bounces = HostPool(n_layers if self.disk else 0, shape, dtype, pin=True)  # device -> here -> disk
+            self.bounce_free = queue.Queue()
+            for b in self.write_bounces.slots:
+                self.bounce_free.put(b)
 
     def _count(self, key, n):
-        with self.lock:
+        with self.count_lock:
             self.bytes[key] += n
 
-    # ---- verbs of a step -------------------------------------------------------------------------------
+    # ---- a step: prefetch, open_chunk, load, release ------------------------------------------------------
 
-    def prefetch(self, n_sealed):
-        """Queue every chunk of this step that must be staged, in attention's order: all chunks of layer 0,
-        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended."""
-        while self.inflight:  # a step that failed half-way left copies in flight: let them land first
-            self.inflight.popleft()[3].result()
-        self.slot_free = list(range(len(self.slots) - 1, -1, -1))
-        order = [(l, j) for l in range(self.n_layers) for j in range(n_sealed) if self.where[(l, j)] != "device"]
+    def prefetch(self, n_sealed, first=None):
+        """Queue every chunk of this step that is not on the device, in attention's order: all chunks of layer 0,
+        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended.
+        first[l]: layer l's first chunk that any query of the step can see (sliding windows); default 0."""
+        st = self.staging
+        while st.inflight:  # a step that failed half-way left copies in flight: let them land first
+            st.inflight.popleft()[3].result()
+        st.free = list(range(len(st.slots) - 1, -1, -1))
+        order = [(l, j) for l in range(self.n_layers) for j in range(first[l] if first else 0, n_sealed)
+                 if self.loc[(l, j)] is not DEVICE]
         if self.staged:
-            self.queue = deque(order)
+            st.queue = deque(order)
             self._pump()
-        elif self.disk is not None and order:  # CPU, raw disk: attention reads the mapping in place; ask the OS
-            self.worker.submit(self._advise, order)  # to page in, ahead of use, whatever it has evicted
+        elif self.disk is not None and order:  # CPU, raw disk: attention reads the mapping in place; ask the OS to
+            self.reader.submit(self._advise, order)  # page in, ahead of use, whatever it has evicted
 
     def _advise(self, order):
-        """One madvise per layer over the span of its disk chunks (the file keeps them in order)."""
+        """Reader thread: one madvise per layer over the span of its disk chunks (the file keeps them in order)."""
         span = {}
         for l, j in order:
-            if self.where[(l, j)] == "disk":
+            if self.loc[(l, j)] is DISK:
                 first, last = span.get(l, (j, j))
                 span[l] = (min(first, j), max(last, j))
         for l, (first, last) in span.items():
             self.disk.advise(l, first, last)
 
     def _pump(self):
-        while self.queue and self.slot_free:
-            l, j = self.queue.popleft()
-            slot = self.slot_free.pop()
-            self.inflight.append((l, j, slot, self.worker.submit(self._stage, l, j, slot)))
+        st = self.staging
+        while st.queue and st.free:
+            l, j = st.queue.popleft()
+            slot = st.free.pop()
+            if self.cuda and self.loc[(l, j)].tier == "host":  # an async copy from pinned memory: no thread needed
+                fut = Future()
+                fut.set_result(self._copy_in(l, j, slot, self.host.slots[self.loc[(l, j)].slot]))
+            else:
+                fut = self.reader.submit(self._stage, l, j, slot)
+            st.inflight.append((l, j, slot, fut))
 
     def _stage(self, l, j, slot):
-        """Worker thread: bring chunk (l, j) into staging slot `slot`."""
-        where, dst = self.where[(l, j)], self.slots[slot]
+        """Reader thread: bring chunk (l, j) from disk (or, CPU with zstd, from the host pool) into staging slot."""
+        where, dst = self.loc[(l, j)], self.staging.slots[slot]
+        if where is DISK:
+            self.written[(l, j)].result()  # its write has landed (and a failed write raises its DiskError here)
         if not self.cuda:  # CPU: staged only with zstd; decompress a disk chunk straight into the slot
-            if where == "disk":
+            if where is DISK:
                 self._count("disk_read", self.disk.read_into(l, j, dst))
-            else:  # a host-pool chunk (--cpu-budget): attention reads the slot, so copy it there (numpy: see disk.py)
-                as_bytes(dst)[:] = as_bytes(self.host[where[1]])
+            else:  # a host-pool chunk in front of a zstd disk tier (numpy copies: see disk.py)
+                as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
             return
-        if where == "disk":
-            bounce = self.bounces[slot]
-            self.slot_ready[slot].synchronize()  # rule 4: the last host-to-device copy out of this bounce is done
-            self._count("disk_read", self.disk.read_into(l, j, bounce))
-            src = bounce
-        else:
-            src = self.host[where[1]]
+        bounce = self.read_bounces.slots[slot]
+        self.staging.ready[slot].synchronize()  # rule 4: the last host-to-device copy out of this bounce is done
+        self._count("disk_read", self.disk.read_into(l, j, bounce))
+        self._copy_in(l, j, slot, bounce)
+
+    def _copy_in(self, l, j, slot, src):
+        """Issue the host-to-device copy of a pinned chunk into staging slot `slot`, on the copy stream."""
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.slot_released[slot])  # rule 3: attention has finished with the slot
-            dst.copy_(src, non_blocking=True)
-            self.slot_ready[slot].record()  # rule 2: attention waits for this before reading the slot
+            self.copy_stream.wait_event(self.staging.released[slot])  # rule 3: attention has finished with the slot
+            if self.loc[(l, j)].tier == "host":
+                self.copy_stream.wait_event(self.evicted[(l, j)])  # rule 4: the eviction into this host slot is done
+            self.staging.slots[slot].copy_(src, non_blocking=True)
+            self.staging.ready[slot].record(self.copy_stream)  # rule 2: attention waits for this before reading
         self._count("h2d", self.chunk_bytes)
 
     def open_chunk(self, layer):
@@ -203,54 +283,98 @@ class TieredStore:
         return self.open[layer]
 
     def load(self, layer, j):
-        where = self.where[(layer, j)]
-        if where == "device":
+        where = self.loc[(layer, j)]
+        if where is DEVICE:
             kv = self.resident[(layer, j)]
         elif not self.staged:  # CPU: read in place, host pool or mapped file
-            if where == "disk":
+            if where is DISK:
                 self.written[(layer, j)].result()  # its write must have landed in the mapping
                 kv = self.disk.view(layer, j)
-                self._count("disk_read", self.chunk_bytes)
+                self._count("disk_mapped_read", self.chunk_bytes)  # read by attention itself, page cache or disk
             else:
-                kv = self.host[where[1]]
+                kv = self.host.slots[where.slot]
         else:
-            l, jj, slot, fut = self.inflight[0]
+            l, jj, slot, fut = self.staging.inflight[0]
             assert (l, jj) == (layer, j), f"prefetch order broken: expected {(l, jj)}, attention asked {(layer, j)}"
-            fut.result()  # re-raises an I/O error of the worker here, in the step that needed the chunk
+            fut.result()  # re-raises an I/O error of the reader here, in the step that needed the chunk
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self.slot_ready[slot])  # rule 2
-            kv = self.slots[slot]
+                torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
+            kv = self.staging.slots[slot]
         return kv[0], kv[1]
 
     def release(self, layer, j):
-        if self.where[(layer, j)] == "device" or not self.staged:
+        if not self.staged or self.loc[(layer, j)] is DEVICE:
             return
-        l, jj, slot, _ = self.inflight.popleft()
+        st = self.staging
+        _, _, slot, _ = st.inflight.popleft()
         if self.cuda:
-            self.slot_released[slot].record(torch.cuda.current_stream(self.device))  # rule 3
-        self.slot_free.append(slot)
+            st.released[slot].record(torch.cuda.current_stream(self.device))  # rule 3
+        st.free.append(slot)
         self._pump()
+
+    # ---- a chunk boundary: seal, offload ------------------------------------------------------------------
 
     def seal(self, j):
         """Chunk j is full on every layer: it joins the device window; the chunk that falls out is offloaded."""
         if self.cuda and self.window < self.n_chunks:
             written = torch.cuda.Event()
             written.record(torch.cuda.current_stream(self.device))
-            self.copy_stream.wait_event(written)  # rule 1: copies out wait for the compute that wrote the chunks
+            self.evict_stream.wait_event(written)  # rule 1: copies out wait for the compute that wrote the chunks
         for l in range(self.n_layers):
             self.resident[(l, j)], self.open[l] = self.open[l], None
-            self.where[(l, j)] = "device"
-            if j - self.window >= 0 and self.where.get((l, j - self.window)) == "device":
+            self.loc[(l, j)] = DEVICE
+            if j - self.window >= 0 and self.loc.get((l, j - self.window)) is DEVICE:
                 self.offload(l, j - self.window)
         if self.durable is not None and self.durable.done() and self.durable.exception():
             raise self.durable.exception()  # the last manifest could not be written: the disk tier is failing
-        if self.disk and all(self.where.get((l, self.disk_prefix)) == "disk" for l in range(self.n_layers)):
+        if self.disk and all(self.loc.get((l, self.disk_prefix)) is DISK for l in range(self.n_layers)):
             self.disk_prefix += 1
             if self.on_durable:
-                self.durable = self.worker.submit(self._durable, self.disk_prefix)
+                self.durable = self.writer.submit(self._durable, self.disk_prefix)
+
+    def offload(self, l, j):
+        """Move chunk (l, j) off the device: to the host pool while it has room, else to disk."""
+        kv = self.resident.pop((l, j))
+        fence = Fence()
+        if self.host.free:
+            slot = self.host.free.pop()
+            if self.cuda:
+                with torch.cuda.stream(self.evict_stream):
+                    self.host.slots[slot].copy_(kv, non_blocking=True)
+                    fence.event = self.evicted[(l, j)] = self._event(self.evict_stream)
+            else:
+                self.host.slots[slot].copy_(kv)
+            self.loc[(l, j)] = Loc("host", slot)
+            self._count("d2h", self.chunk_bytes)
+        elif self.disk is not None:
+            if self.cuda:
+                bounce = self.bounce_free.get()  # blocks while every write bounce waits for its disk write
+                with torch.cuda.stream(self.evict_stream):
+                    bounce.copy_(kv, non_blocking=True)
+                    fence.event = self._event(self.evict_stream)
+                self._count("d2h", self.chunk_bytes)
+                self.written[(l, j)] = self.writer.submit(self._write_from_bounce, l, j, bounce, fence.event)
+            else:
+                fence.future = self.written[(l, j)] = self.writer.submit(self._write, l, j, kv)
+            self.loc[(l, j)] = DISK
+        else:
+            raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
+        self.free.append((kv, fence))
+
+    def _write(self, l, j, src):
+        """Writer thread: store one chunk, remember its checksum for the manifest."""
+        n, self.checksums[(l, j)] = self.disk.write(l, j, src)
+        self._count("disk_write", n)
+
+    def _write_from_bounce(self, l, j, bounce, copied):
+        try:
+            copied.synchronize()  # rule 4: the device-to-host copy into the bounce has finished
+            self._write(l, j, bounce)
+        finally:  # a failed write still gives its bounce back, or the next eviction would wait forever
+            self.bounce_free.put(bounce)
 
     def _durable(self, n):
-        """Worker thread, after the writes of chunks < n (FIFO): sync them, then report them with checksums."""
+        """Writer thread, after the writes of chunks < n (FIFO): sync them, then report them with checksums."""
         self.disk.flush()
         chunks = {j: {"crc": [self.checksums[(l, j)] for l in range(self.n_layers)],
                       "blob": [self.disk.index[(l, j)] for l in range(self.n_layers)] if self.disk.index else None}
@@ -264,100 +388,65 @@ class TieredStore:
             c = chunks.get(str(j)) or chunks.get(j)
             crcs = [self.disk.checksum(l, j) for l in range(self.n_layers)] if c else None
             if not c or crcs != c["crc"]:
-                return self._adopt(j)
+                n = j
+                break
             for l, crc in enumerate(crcs):  # the next manifest vouches for the restored chunks too
                 self.checksums[(l, j)] = crc
-        return self._adopt(n)
-
-    def _adopt(self, n):
+        done = Future()
+        done.set_result(None)
         for l in range(self.n_layers):
             for j in range(n):
-                self.where[(l, j)] = "disk"
-                self.written[(l, j)] = self.worker.submit(lambda: None)
+                self.loc[(l, j)], self.written[(l, j)] = DISK, done
         self.disk_prefix = n
         return n
 
-    def offload(self, l, j):
-        """Move chunk (l, j) off the device: to the host pool while it has room, else to disk."""
-        kv = self.resident.pop((l, j))
-        if self.host_free:
-            slot = self.host_free.pop()
-            with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
-                self.host[slot].copy_(kv, non_blocking=self.cuda)
-                fence = self._event_on_copy_stream()
-            self.where[(l, j)] = ("host", slot)
-            self._count("d2h", self.chunk_bytes)
-        elif self.disk is not None:
-            if self.cuda:
-                bounce = self.write_bounces.popleft() if self.write_bounces else self._wait_bounce()
-                with torch.cuda.stream(self.copy_stream):
-                    bounce.copy_(kv, non_blocking=True)
-                    fence = self._event_on_copy_stream()
-                self._count("d2h", self.chunk_bytes)
-                self.written[(l, j)] = self.worker.submit(self._write_from_bounce, l, j, bounce, fence)
-            else:
-                fence = self.written[(l, j)] = self.worker.submit(self._write, l, j, kv)
-            self.where[(l, j)] = "disk"
-        else:
-            raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
-        self.free.append((kv, fence))
-
-    def _write(self, l, j, src):
-        n, self.checksums[(l, j)] = self.disk.write(l, j, src)
-        self._count("disk_write", n)
-
-    def _write_from_bounce(self, l, j, bounce, fence):
-        fence.synchronize()  # rule 4: the device-to-host copy into the bounce has finished
-        self._write(l, j, bounce)
-        self.write_bounces.append(bounce)
-
-    def _wait_bounce(self):
-        while not self.write_bounces:  # all write bounces are queued for disk: wait for the oldest write
-            next(f for f in self.written.values() if not f.done()).result()
-        return self.write_bounces.popleft()
-
-    def _event_on_copy_stream(self):
-        if not self.cuda:
-            return None
+    def _event(self, stream):
         e = torch.cuda.Event()
-        e.record(self.copy_stream)
+        e.record(stream)
         return e
 
     def _device_buffer(self):
         if self.free:
             kv, fence = self.free.popleft()
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(fence)  # rule 5: the copy out of it is done
-            elif fence is not None:
-                fence.result()  # CPU: the worker has written it to disk
+            if fence.event is not None:
+                torch.cuda.current_stream(self.device).wait_event(fence.event)  # rule 5: the copy out of it is done
+            if fence.future is not None:
+                fence.future.result()  # CPU: the writer has written it to disk
             return kv
         self.device_buffers += 1
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
-        return self._alloc(1, self.device)[0]
+        return alloc_chunks(1, self.shape, self.dtype, self.device)[1][0]
 
-    # ---- accounting and lifecycle -----------------------------------------------------------------------
+    # ---- accounting and lifecycle -------------------------------------------------------------------------
 
     def device_bytes(self):
         """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
-        return (self.device_buffers + len(self.slots)) * self.slot_bytes
+        return (self.device_buffers + len(self.staging.slots)) * self.slot_bytes
 
-    def kv_bytes_on_device(self, open_positions):
-        """KV bytes in use on the device now: window chunks, filled part of the open chunks, busy staging slots."""
-        per_position = self.chunk_bytes // self.chunk_size
-        busy = len(self.slots) - len(self.slot_free)
-        return (len(self.resident) + busy) * self.chunk_bytes + self.n_layers * open_positions * per_position
-
-    def stats(self):
+    def snapshot(self, open_positions=0):
+        """What a monitor may read, without reaching into the store: bytes moved so far, chunks per tier, KV bytes
+        on the device now (window, filled part of the open chunks, busy staging slots) and at peak, pinned bytes."""
         tiers = {"device": sum(o is not None for o in self.open), "host": 0, "disk": 0}
-        for w in self.where.values():
-            tiers["device" if w == "device" else "disk" if w == "disk" else "host"] += 1
-        return {"bytes": dict(self.bytes), "chunks": tiers, "kv_device_bytes_peak": self.peak_device_bytes}
+        for w in self.loc.values():
+            tiers[w.tier] += 1
+        busy = len(self.staging.slots) - len(self.staging.free)
+        now = (len(self.resident) + busy) * self.chunk_bytes + self.n_layers * open_positions * (
+            self.chunk_bytes // self.chunk_size)
+        with self.count_lock:
+            moved = dict(self.bytes)
+        pinned = self.host.pinned_bytes + (self.read_bounces.pinned_bytes + self.write_bounces.pinned_bytes
+                                           if self.cuda else 0)
+        return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now, "kv_device_bytes_peak": self.peak_device_bytes,
+                "pinned_bytes": pinned, "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
-        if self.worker is not None:
-            self.worker.shutdown(wait=True)
+        for worker in (self.reader, self.writer):
+            if worker is not None:
+                worker.shutdown(wait=True)
         if self.cuda:
-            self.copy_stream.synchronize()  # no copy may still read or write a buffer about to be freed
+            self.copy_stream.synchronize()   # no copy may still read or write a buffer about to be freed
+            self.evict_stream.synchronize()
+            for pool in (self.host, self.read_bounces, self.write_bounces):
+                pool.close()
         if self.disk is not None:
             self.disk.close()
-

@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from generate import DTYPES, decode_one_token, prefill
+from cli import DTYPES
+from generate import decode_one_token, prefill
+from kvcache import make_cache
 from offload import OffloadConfig
-from task import make_cache
 
 GB = 1e9
 
@@ -154,7 +155,8 @@ def decode_step_s(model, ctx, chunk_size, steps=8):
             cache.begin(n)
             for layer in range(a.n_layers):  # what attention writes for n positions: K at [0], V at [1]
                 cache.store.open_chunk(layer)[:, :, :, off:off + n].uniform_(-1, 1)
-            cache.end()                      # a full chunk is sealed, as after a prefill step
+            if cache.commit():               # a full chunk is sealed, as after a prefill step
+                cache.store.seal(cache.n_sealed - 1)
         token = torch.tensor([[3]], device=dev)
         return median_time(lambda: decode_one_token(model, cache, token), dev, reps=steps)
     finally:
@@ -271,3 +273,9 @@ def report(machine, cal, args, margs, contexts, modes, cuda):
         p = [predict_decode(cal, ctx, m, args, margs, cuda) for m in modes]
         lines.append(f"| {ctx} | " + " | ".join("-" if x is None else f"{x:,.1f}" for x in p) + " |")
     return "\n".join(lines + [""] + verdict(cal, args, margs, contexts, modes, cuda))
+
+
+if __name__ == "__main__":  # the probe's command line is bench.py's: `python probe.py ...` is `bench.py --probe ...`
+    import sys
+    import bench
+    sys.exit(bench.main(["--probe", *sys.argv[1:]]))

@@ -17,16 +17,15 @@ import sys
 import pydoc_data.topics
 import torch
 
-from generate import DEMO_CKPT, DTYPES, UsageError, check_writable_dir
-from monitor import return_large_frees_to_os
-from task import run_task
-from model import CheckpointError, ModelArgs, Transformer, read_json
+from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
+from model import CheckpointError, Transformer
 from offload import OffloadConfig, OffloadError
+from task import run_task
 from tokenizer import load_tokenizer
 
 # real English text that every Python installation carries: the reference manual's pages on a few statements
 DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in ("with", "try", "for", "while", "if", "assignment"))
-MODE_SPECS = {"cpu": ("cpu", "none"), "disk": ("disk", "none"), "disk+zstd": ("disk", "zstd")}
+OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
 
 
 def run_mode(model, tokenizer, ids, max_new, chunk_size, mode, compress, args):
@@ -34,7 +33,8 @@ def run_mode(model, tokenizer, ids, max_new, chunk_size, mode, compress, args):
     steps = []
     cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir, compress=compress,
                         cpu_budget_gib=args.cpu_budget)
-    new, stats = run_task(model, None, ids, max_new, chunk_size, cfg, task_id=f"verify_{os.getpid()}_{mode}_{compress}",
+    new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
+                          task_id=f"verify_{os.getpid()}_{mode}_{compress}",
                           on_step=lambda phase, logits, cache: steps.append((cache.length - 1, phase, logits[0].cpu())))
     return new, steps, stats
 
@@ -51,38 +51,29 @@ def compare(base, other):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ckpt", default=DEMO_CKPT, help="Hugging Face checkpoint directory (default: the demo model)")
+    p = argparse.ArgumentParser(prog="verify.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, chunk_size=64, window=2)
     p.add_argument("--prompt-file", help="UTF-8 prompt (default: pages of Python's reference manual)")
     p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens to generate (default 32)")
-    p.add_argument("--chunk-size", type=int, default=64, help="positions per chunk (default 64)")
-    p.add_argument("--window", type=int, default=2, help="sealed chunks per layer on the device (default 2)")
-    p.add_argument("--modes", default="cpu,disk,disk+zstd", help="comma list of cpu, disk, disk+zstd")
-    p.add_argument("--offload-dir", default="./kv_cache_offload", help="disk tier root (default ./kv_cache_offload)")
-    p.add_argument("--cpu-budget", type=float, help="GiB for the host tier (default: as for generate.py)")
+    p.add_argument("--modes", default="cpu,disk,disk+zstd", help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="truncate the prompt to this many tokens")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default fp32)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = p.parse_args(argv)
-    return_large_frees_to_os()
     try:
+        args.ckpt = args.ckpt or DEMO_CKPT
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODE_SPECS]
+        bad = [m for m in modes if m not in OFFLOAD_MODES]
         if bad or not modes:
-            raise UsageError(f"--modes: {bad or args.modes!r} not among {sorted(MODE_SPECS)}")
-        if args.chunk_size <= 0 or args.window < 0 or args.max_new_tokens <= 0 or args.max_prompt_tokens <= 0:
-            raise UsageError("--chunk-size, --max-new-tokens and --max-prompt-tokens must be >= 1, --window >= 0")
+            raise UsageError(f"--modes: {bad or args.modes!r} not among {OFFLOAD_MODES}")
+        if args.max_new_tokens <= 0 or args.max_prompt_tokens <= 0:
+            raise UsageError("--max-new-tokens and --max-prompt-tokens must be >= 1")
+        check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
+        if not os.path.isdir(args.ckpt):
+            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
         if args.threads is not None:
-            if args.threads < 1:
-                raise UsageError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise UsageError(f"--device {args.device}: CUDA is not available here; use --device cpu")
-        if any(MODE_SPECS[m][0] == "disk" for m in modes):
-            check_writable_dir(args.offload_dir)
-        margs = ModelArgs.from_config(read_json(os.path.join(args.ckpt, "config.json")), args.ckpt + "/config.json")
+        margs = read_model_args(args.ckpt)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt cannot be encoded")

@@ -3,7 +3,7 @@ Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with
 that fills up for real (RLIMIT_FSIZE), corrupt chunks and foreign manifests, hostile ids, two users of one task
 directory, owner-only files, the monitor's alerts and trace, and bad input lines.
 
-generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere generate.main()
+generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere cli.main()
 runs in-process, which is the same code minus ~3 s of importing torch.
 """
 import errno
@@ -19,7 +19,7 @@ import pydoc_data.topics
 import pytest
 import torch
 
-import generate
+import cli
 from model import Transformer
 from monitor import Monitor
 from offload import ALIGN, OffloadConfig, TieredStore, round_up
@@ -76,7 +76,7 @@ def run_child(argv, **kwargs):
 def run_main(argv, capsys):
     """generate.py's main() in this process: (exit code, stderr)."""
     capsys.readouterr()
-    rc = generate.main([str(a) for a in argv])
+    rc = cli.main([str(a) for a in argv])
     return rc, capsys.readouterr().err
 
 
@@ -114,7 +114,7 @@ def uninterrupted(text_ckpt, tmp_path_factory):
     """The kill test's batch (a short task, then a long one) run once without interruption: (tasks, lines by id)."""
     d = tmp_path_factory.mktemp("uninterrupted")
     tasks = write_tasks(d / "tasks.jsonl", [SHORT, LONG])
-    rc = generate.main(batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK))
+    rc = cli.main(batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK))
     assert rc == 0
     lines = {r["id"]: line for line, r in results(d / "results.jsonl")}
     assert list(lines) == ["short", "long"]
@@ -203,7 +203,7 @@ def full_disk(lm, tmp_path, text_ckpt):
 
 def test_disk_full_falls_back_to_host_memory(full_disk, capsys):
     argv, output, offload_dir, _ = full_disk
-    rc, err = run_child(argv + ["--cpu-budget", "1"], preexec_fn=limited)
+    rc, err = run_child(argv + ["--fallback-cpu-budget", "1"], preexec_fn=limited)
     assert rc == 0, err
     assert "task long: the disk tier failed" in err and "falling back to host memory" in err, err
     got = by_id(output)
@@ -237,7 +237,7 @@ def test_disk_full_falls_back_to_shorter_context(full_disk, lm):
     r = by_id(output)["long"]
     assert r["fallback"] == {"context": N} and r["prompt_tokens"] == N and r["prompt_ids"] == long_ids[-N:]
     model, tok = lm
-    new, _ = run_task(model, tok, long_ids[-N:], FULL_LONG["max_new_tokens"], C, OffloadConfig())
+    new, _ = run_task(model, long_ids[-N:], FULL_LONG["max_new_tokens"], chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)
     assert r["tokens"] == new
 
 
@@ -246,10 +246,10 @@ def test_zstd_disk_tier_with_a_host_pool(lm, tmp_path):
     compressed to disk; both kinds are staged for attention."""
     model, tok = lm
     ids = tok.encode(TOPICS["await"])[:100]
-    ref, _ = run_task(model, tok, ids, 8, C, OffloadConfig())
+    ref, _ = run_task(model, ids, 8, chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)
     cfg = OffloadConfig(mode="disk", window=1, compress="zstd", offload_dir=str(tmp_path),
                         cpu_budget_gib=4 * slot_bytes(model) / 2**30)
-    new, stats = run_task(model, tok, ids, 8, C, cfg)
+    new, stats = run_task(model, ids, 8, chunk_size=C, cfg=cfg, eos_ids=tok.eos_ids)
     assert stats["chunks"]["host"] == 4 and stats["chunks"]["disk"] > 0, stats
     assert new == ref
 
@@ -264,14 +264,14 @@ NEW = 40
 def ids_and_reference(lm):
     model, tok = lm
     ids = tok.encode(TOPICS["await"])[:100]
-    return ids, run_task(model, tok, ids, NEW, C, OffloadConfig())[0]
+    return ids, run_task(model, ids, NEW, chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)[0]
 
 
 def run_kept(lm, ids, offload_dir, compress="none", chunk=C, fingerprint="model-a", on_token=None):
     """run_task on the disk tier, keeping its directory and manifest after success: (new ids, stats, log)."""
     log = []
     cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(offload_dir), compress=compress, keep_files=True)
-    new, stats = run_task(lm[0], lm[1], ids, NEW, chunk, cfg, task_id="t", on_token=on_token,
+    new, stats = run_task(lm[0], ids, NEW, chunk_size=chunk, cfg=cfg, eos_ids=lm[1].eos_ids, task_id="t", on_token=on_token,
                           fingerprint=fingerprint, log=log.append)
     return new, stats, log
 
@@ -433,7 +433,7 @@ def store(tmp_path):
 
     def make(mode):
         cfg = OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path))
-        made.append(TieredStore(1, 1, 1, 4, C, 4 * C, "cpu", torch.float32, cfg, disk_path=str(tmp_path)))
+        made.append(TieredStore(shape=(2, 1, 1, C, 4), dtype=torch.float32, n_layers=1, max_length=4 * C, device="cpu", cfg=cfg, disk_path=str(tmp_path)))
         return made[-1]
     yield make
     for s in made:
@@ -447,8 +447,8 @@ class StubCache:
 
 
 BIG_RAM = 1 << 60
-FINISHED = {"resumed_from": 0, "decode_s": 0.0, "new_tokens": 1, "peak_device_bytes": 0, "peak_host_rss_bytes": 0,
-            "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}}
+FINISHED = {"resumed_from": 0, "prefill_s": 0.01, "prompt_tokens": 40, "decode_s": 0.01, "decoded_tokens": 10,
+            "peak_device_bytes": 0, "peak_host_rss_bytes": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0}}
 
 
 def trace_alerts(path):
@@ -468,17 +468,25 @@ def test_host_memory_alert(tmp_path, store):
     assert calm == []
 
 
-def test_slow_task_alert(tmp_path, store):
+def test_slow_task_alert_compares_time_per_unit_of_work(tmp_path, store):
+    """A task is slow when it took over 2x what the finished tasks' mean rates give for the work it has done
+    (prefill seconds per prompt token, decode seconds per token); a task that is merely longer is not slow."""
     alerts, quiet = [], store("none")
     m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=BIG_RAM)
-    m.started["slow"] = time.perf_counter() - 60  # began a minute ago
-    m.step("slow", "decode", StubCache(quiet))
+    at = StubCache(quiet, n_sealed=4)                   # position 64: 40 prompt tokens, then 24 decoded
+    m.task_started("slow", prompt_tokens=40)
+    m.started["slow"] = (time.perf_counter() - 60, 40)  # began a minute ago
+    m.step("slow", "decode", at)
     assert alerts == []  # no finished task yet: nothing to compare with
-    m.task_started("fast")
-    m.task_finished("fast", FINISHED)  # ~0 s
-    m.step("slow", "decode", StubCache(quiet))
+    m.task_started("fast", prompt_tokens=40)
+    m.task_finished("fast", {**FINISHED, "prefill_s": 4.0, "decode_s": 10.0})  # 0.1 s/prompt token, 1 s/token
+    m.task_started("long", prompt_tokens=40)
+    m.started["long"] = (time.perf_counter() - 40, 40)  # 40 s for 4 + 24 s of work: longer, not slower than 2x
+    m.step("long", "decode", at)
+    assert alerts == [], alerts
+    m.step("slow", "decode", StubCache(quiet, n_sealed=2))  # 60 s for 4 + (32 - 40 < 0) s of work: slow
     m.close()
-    assert len(alerts) == 1 and "task slow" in alerts[0] and "mean" in alerts[0], alerts
+    assert len(alerts) == 1 and "task slow" in alerts[0] and "2x" in alerts[0], alerts
     assert trace_alerts(tmp_path / "trace.jsonl") == ["slow_task"]
 
 
@@ -499,14 +507,15 @@ def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, t
     alerts, trace = [], tmp_path / "trace.jsonl"
     m = Monitor(str(trace), log=alerts.append, ram=BIG_RAM)
     cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path / "off"))
-    run_task(lm[0], lm[1], ids, NEW, C, cfg, on_step=lambda phase, logits, cache: m.step("t", phase, cache))
+    run_task(lm[0], ids, NEW, chunk_size=C, cfg=cfg, eos_ids=lm[1].eos_ids, on_step=lambda phase, logits, cache: m.step("t", phase, cache))
     m.close()
     assert alerts == []
     events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert "run_start" in events.pop(0)  # a trace marks where each run starts
     keys = {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss", "host_anon", "bytes",
             "chunks"}
     for e in events:
-        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read"}, e
+        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read"}, e
         assert set(e["chunks"]) == {"device", "host", "disk"} and e["task"] == "t", e
     assert [e["phase"] for e in events] == ["prefill"] * -(-len(ids) // C) + ["decode"] * (NEW - 1)
     assert [e["position"] for e in events][-1] == len(ids) + NEW - 1

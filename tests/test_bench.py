@@ -43,7 +43,7 @@ def test_bench_end_to_end_with_transformers(tmp_path):
         assert row["peak_device_bytes"] > 0 and row["peak_host_rss_bytes"] >= row["peak_host_anon_bytes"] > 0
     none, disk = r["results"][2], r["results"][3]
     assert none["decode_vs_none"] == 1.0 and none["bytes"]["disk_write"] == 0 and none["chunks"]["disk"] == 0
-    assert disk["bytes"]["disk_write"] > 0 and disk["bytes"]["disk_read"] > 0 and disk["chunks"]["disk"] > 0
+    assert disk["bytes"]["disk_write"] > 0 and disk["bytes"]["disk_mapped_read"] > 0 and disk["chunks"]["disk"] > 0
     # the random checkpoint is a real Hugging Face one: transformers loads it and decodes the same greedy ids
     assert [row["context"] for row in r["hf"]] == [64, 128] and all(row["greedy_ids_equal_ours"] for row in r["hf"])
     assert r["config"]["model"] == dict(dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=64, vocab=128)
