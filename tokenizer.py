@@ -69,9 +69,10 @@ class Tokenizer:
     # -------------------------------------------------------------------------
     # chat
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(self, messages, add_generation_prompt=True, **template_vars):
         """The token ids of `messages` ([{"role", "content"}, ...]) rendered by the checkpoint's chat template, as
-        transformers' apply_chat_template(messages, add_generation_prompt=..., tokenize=True) gives them."""
+        transformers' apply_chat_template(messages, add_generation_prompt=..., tokenize=True) gives them.
+        template_vars reach the template too, e.g. enable_thinking=False for Qwen3."""
         import jinja2
         problem = messages_problem(messages)
         if problem:
@@ -84,9 +85,12 @@ class Tokenizer:
                 self._compiled = compile_template(self.chat_template)
             except jinja2.TemplateError as e:
                 raise CheckpointError(f"{self.template_source}: the chat template is not valid jinja ({e})") from None
+        # keys set to None are dropped, as transformers does: templates handle a missing key better than "None"
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:  # tools and documents are None: templates test them to switch their tool-use sections off
             text = self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self.special_tokens)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **{**self.special_tokens, **template_vars})
         except jinja2.TemplateError as e:  # raise_exception() in the template, e.g. "roles must alternate"
             raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages ({e}); "
                              "check their roles and order (some templates take no system message)") from None

@@ -59,13 +59,14 @@ FEATURES = """{% set ns = namespace(n=0) %}
     {% if ns.n >= 3 %}{% break %}{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant {{ ns.n }}
-{% endif %}"""
+{% endif %}
+{% if greeting is defined %}{{ greeting }}{% endif %}"""
 
 SYSTEM = "You are a jolly wizard."
 CHATS = {
     "user": [{"role": "user", "content": "the lazy dog jumps over a fox"}],
     "system": chat_messages("the lazy dog jumps over a fox", system=SYSTEM),
-    "turns": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hex the boxes"},
+    "turns": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hex the boxes", "name": None},
               {"role": "assistant", "content": "  seven boxes, naïve 日本  "}, {"role": "user", "content": "why?"}],
 }
 
@@ -116,6 +117,12 @@ def test_template_matches_transformers(tmp_path, template, bos_processor, chat):
     assert specials & set(ids)  # the template's special tokens became their ids, not their characters
     if template is LLAMA2:
         assert ids[:2] != [0, 0] and ids.count(0) == sum(m["role"] == "user" for m in CHATS[chat])
+    if template is FEATURES:  # extra variables reach the template, as transformers' **kwargs do
+        from transformers import AutoTokenizer
+        hf = AutoTokenizer.from_pretrained(str(path))
+        with_var = Tokenizer(str(path)).apply_chat_template(CHATS[chat], greeting="hex")
+        assert with_var != ids and with_var == hf.apply_chat_template(CHATS[chat], add_generation_prompt=True,
+                                                                      greeting="hex")["input_ids"]
 
 
 def test_default_system_message_and_system_flag(tmp_path):
