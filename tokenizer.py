@@ -51,8 +51,8 @@ class Tokenizer:
         tc = read_json(tc_path) if os.path.exists(tc_path) else {}
         self.add_bos = self.kind == "spm" and tc.get("add_bos_token", True) and self.bos_id is not None
         self.special_tokens = special_tokens(tc, self.tok if self.kind == "spm" else None)
-        self.chat_template, self.template_source = read_chat_template(ckpt_dir, tc)
-        self._compiled = None
+        self.tokenizer_config = tc
+        self._template = None  # compiled on first use: a checkpoint whose template is broken still generates text
         # transformers (LlamaTokenizer) gives text after a special token no sentencepiece prefix space unless legacy
         self.legacy = bool(tc.get("legacy", False))
 
@@ -77,24 +77,31 @@ class Tokenizer:
         problem = messages_problem(messages)
         if problem:
             raise ValueError(problem)
-        if self.chat_template is None:
-            raise CheckpointError(f"{self.ckpt_dir} has no chat template (tokenizer_config.json 'chat_template' or "
-                                  "chat_template.jinja); drop --chat or add a template to the checkpoint")
-        if self._compiled is None:
-            try:
-                self._compiled = compile_template(self.chat_template)
-            except jinja2.TemplateError as e:
-                raise CheckpointError(f"{self.template_source}: the chat template is not valid jinja ({e})") from None
+        template = self.chat_template()
         # keys set to None are dropped, as transformers does: templates handle a missing key better than "None"
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:  # tools and documents are None: templates test them to switch their tool-use sections off
-            text = self._compiled.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **template_vars})
+            text = template.render(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                   **{**self.special_tokens, **template_vars})
         except jinja2.TemplateError as e:  # raise_exception() in the template, e.g. "roles must alternate"
             raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages ({e}); "
                              "check their roles and order (some templates take no system message)") from None
         return self.encode_rendered(text)
+
+    def chat_template(self):
+        """The checkpoint's chat template, compiled; CheckpointError when it has none or it does not compile.
+        Call it right after loading the tokenizer to fail before the model is loaded."""
+        import jinja2
+        if self._template is None:
+            source, where = read_chat_template(self.ckpt_dir, self.tokenizer_config)
+            if source is None:
+                raise CheckpointError(f"{self.ckpt_dir} has no chat template (tokenizer_config.json 'chat_template' "
+                                      "or chat_template.jinja); drop --chat or add a template to the checkpoint")
+            try:
+                self._template = compile_template(source)
+            except jinja2.TemplateError as e:
+                raise CheckpointError(f"{where}: the chat template is not valid jinja ({e})") from None
+        return self._template
 
     def encode_rendered(self, text):
         """Encode a rendered chat: the template wrote BOS and the other special tokens itself, so none are added

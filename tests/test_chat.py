@@ -146,9 +146,10 @@ def test_chat_template_jinja_and_named_list(tmp_path):
     listed = build_json_ckpt(tmp_path / "list", [{"name": "tool_use", "template": LLAMA2},
                                                  {"name": "default", "template": CHATML}])
     assert Tokenizer(str(listed)).apply_chat_template(CHATS["turns"]) == hf_chat_ids(listed, CHATS["turns"])
-    nameless = build_json_ckpt(tmp_path / "nameless", [{"name": "tool_use", "template": CHATML}])
+    nameless = Tokenizer(str(build_json_ckpt(tmp_path / "nameless", [{"name": "tool_use", "template": CHATML}])))
+    assert nameless.decode(nameless.encode("the lazy dog")) == "the lazy dog"  # plain text still works
     with pytest.raises(CheckpointError, match="none named \"default\""):
-        Tokenizer(str(nameless))
+        nameless.chat_template()
 
 
 def test_template_errors_are_one_sentence(tmp_path):
@@ -164,7 +165,7 @@ def test_template_errors_are_one_sentence(tmp_path):
         Tokenizer(str(none)).apply_chat_template(CHATS["user"])
     broken = build_json_ckpt(tmp_path / "broken", "{% for m in messages %}{{ m.content }")
     with pytest.raises(CheckpointError, match="tokenizer_config.json: the chat template is not valid jinja"):
-        Tokenizer(str(broken)).apply_chat_template(CHATS["user"])
+        Tokenizer(str(broken)).chat_template()  # the early check the CLI makes, before the model loads
 
 
 @pytest.mark.parametrize("messages", [None, [], "hi", {"role": "user", "content": "hi"}, ["hi"],
