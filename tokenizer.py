@@ -162,12 +162,12 @@ def messages_problem(messages):
 
 def special_tokens(tc, sp=None):
     """The special-token strings a template may use ({{ bos_token }}...), from tokenizer_config.json, where each is
-    a string or {"content": ...}; a sentencepiece model fills bos/eos/unk from its own pieces, as LlamaTokenizer does."""
+    a string or {"content": ...}; a sentencepiece model fills bos/eos/unk from its pieces, as LlamaTokenizer does."""
     def text(v):
         return v.get("content") if isinstance(v, dict) else v
     extra = tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {}
-    out = {k: text(tc.get(k)) for k in SPECIAL_TOKEN_NAMES + tuple(extra)}
-    out.update({k: text(v) for k, v in extra.items() if out.get(k) is None})
+    out = {k: text(tc.get(k)) for k in SPECIAL_TOKEN_NAMES}
+    out.update({k: text(v) for k, v in extra.items()})  # named model-specific tokens, e.g. image_token
     if sp is not None:
         for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
             if out.get(name) is None and i >= 0:
