@@ -325,6 +325,14 @@ def read_json(path):
         with open(path) as f:
             obj = json.load(f)
     except FileNotFoundError:
+        ckpt_dir = os.path.dirname(path) or "."
+        gguf = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".gguf")) if os.path.isdir(ckpt_dir) else []
+        if gguf and os.path.basename(path) == "config.json":  # a llama.cpp download: say how to get safetensors
+            raise CheckpointError(
+                f"{ckpt_dir} holds {gguf[0]}, a llama.cpp file; this project loads Hugging Face safetensors "
+                "checkpoints: download the original model, or convert it with transformers "
+                f"(pip install gguf; AutoModelForCausalLM.from_pretrained(\"{ckpt_dir}\", gguf_file=\"{gguf[0]}\")"
+                ".save_pretrained(OUT), and the same for AutoTokenizer)") from None
         raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
