@@ -109,7 +109,8 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
 
 def run_ours(model, ids, args, mode, tag, new_tokens=None):
     offload, compress = MODE_SPECS[mode]
-    cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress)
+    cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress,
+                        cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
     marks = []  # when the first token was sampled, then when each decode step ended
     new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size, cfg=cfg,
                        task_id=f"bench_{os.getpid()}_{tag}",
@@ -272,6 +273,8 @@ def build_parser():
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
     p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
+    p.add_argument("--tune", action="store_true", help="pick chunk size, window, tier, zstd and staging slots for "
+                   "one --context within --device-budget and --cpu-budget (tune.py; its flags: bench.py --tune -h)")
 
     def one_line_error(message):
         print(f"bench.py: error: {message}", file=sys.stderr)
@@ -315,6 +318,10 @@ def check(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--tune" in argv:  # the tuner has flags of its own (one context, budgets): tune.py parses them
+        import tune
+        return tune.main([a for a in argv if a != "--tune"])
     args = build_parser().parse_args(argv)
     tmp = None
     try:

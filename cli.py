@@ -53,6 +53,8 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
     p.add_argument("--cpu-budget", type=float, help="GiB of host memory for offloaded chunks: with --offload cpu "
                    "the host tier's size (default: all the task needs); with --offload disk a host tier in front "
                    "of the disk, filled first (default 0; resume covers the disk chunks only)")
+    p.add_argument("--staging-slots", type=int, default=OffloadConfig.staging_slots, help="chunks prefetched ahead "
+                   "of attention, device buffers (used on CUDA, and with --compress zstd) (default %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda "
                    "(default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
@@ -68,6 +70,7 @@ def check_common(args, needs_disk):
         (args.window is None or args.window >= 0, f"--window must be >= 0, got {args.window}"),
         (args.cpu_budget is None or args.cpu_budget >= 0, f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}"),
         (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
+        (args.staging_slots >= 1, f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
     ]
@@ -182,7 +185,8 @@ def resolve(args):
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
-                        offload_dir=args.offload_dir, compress=args.compress, keep_files=args.keep_cache)
+                        offload_dir=args.offload_dir, compress=args.compress, keep_files=args.keep_cache,
+                        staging_slots=args.staging_slots)
     return cfg, text
 
 

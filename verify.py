@@ -32,7 +32,7 @@ def run_mode(model, tokenizer, ids, max_new, chunk_size, mode, compress, args):
     """Greedy generation; returns (new ids, [(position, phase, logits [V])...], stats)."""
     steps = []
     cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir, compress=compress,
-                        cpu_budget_gib=args.cpu_budget)
+                        cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
     new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
                           task_id=f"verify_{os.getpid()}_{mode}_{compress}",
                           on_step=lambda phase, logits, cache: steps.append((cache.length - 1, phase, logits[0].cpu())))
