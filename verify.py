@@ -51,6 +51,10 @@ def compare(base, other):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--diagnose" in argv:  # the troubleshooting chains, on one configuration: doctor.py parses its flags
+        import doctor
+        return doctor.main([a for a in argv if a != "--diagnose"])
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=64, window=2)
@@ -59,6 +63,8 @@ def main(argv=None):
     p.add_argument("--modes", default="cpu,disk,disk+zstd", help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="truncate the prompt to this many tokens")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--diagnose", action="store_true", help="check the troubleshooting chains for one configuration "
+                   "instead (doctor.py; its flags: verify.py --diagnose -h)")
     args = p.parse_args(argv)
     try:
         args.ckpt = args.ckpt or DEMO_CKPT

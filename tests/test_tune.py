@@ -1,0 +1,126 @@
+"""
+The tuner (bench.py --tune) and the diagnose mode (verify.py --diagnose) as a user runs them: the tuner's
+recommendation fits the budgets, its JSON line parses and its command runs as printed; each seeded fault is found
+and named on one line. No speed is asserted beyond "the recommendation is the fastest measured, or within 5%".
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+
+import pytest
+
+import doctor
+import tune
+from model import ModelArgs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=256)  # "tiny"
+
+
+def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
+    dev_gib, cpu_gib = 0.0003, 0.0004  # 0.3 MiB of device KV: less than the 0.5 MiB the whole KV takes
+    t = time.perf_counter()
+    p = subprocess.run([sys.executable, "bench.py", "--tune", "--random-model", "tiny", "--ckpt", tmp_path / "m",
+                        "--context", "512", "--new-tokens", "8", "--device", "cpu", "--threads", "1",
+                        "--device-budget", str(dev_gib), "--cpu-budget", str(cpu_gib), "--offload-dir",
+                        tmp_path / "kv"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    took = time.perf_counter() - t
+    assert p.returncode == 0, p.stderr
+    assert took < 120, f"--tune on the tiny model took {took:.0f}s"
+    last = json.loads(p.stdout.strip().splitlines()[-1])
+    assert set(last) == {"recommended", "command", "measured", "why"}
+    rec, m = last["recommended"], last["measured"]
+    assert set(rec) == {"chunk_size", "window", "offload", "compress", "cpu_budget", "staging_slots"}
+    assert rec["offload"] != "none", "the whole KV is over the device budget: something must be offloaded"
+    # the recommendation fits: device KV planned from the shape, and measured; the host part within --cpu-budget
+    slot = -(-2 * TINY.n_kv_heads * rec["chunk_size"] * TINY.head_dim * 4 // 4096) * 4096
+    staged = rec["staging_slots"] or 0
+    assert (TINY.n_layers * (rec["window"] + 1) + staged) * slot <= dev_gib * 2**30
+    assert m["device_kv_bytes"] <= dev_gib * 2**30 and m["kv_bytes_planned"]["host"] <= cpu_gib * 2**30
+    assert m["decode_tokens_per_s"] >= 0.95 * m["fastest_decode_tokens_per_s"], last["why"]
+    assert "| step | chunk | window | tier |" in p.stdout and "1. chunk size" in p.stdout and "4. prefetch" in p.stdout
+    # the command runs as printed, with the python on PATH being this one
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    run = subprocess.run(["bash", "-c", last["command"]], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "decode" in run.stderr
+
+
+def plan_args(**kw):
+    return Namespace(**{"dtype": "fp32", "context": 2048, "new_tokens": 16, "chunk_sizes": [128, 256, 512, 1024],
+                        "device_budget": 0.4 / 1024, "cpu_budget": 0.75 / 1024, **kw})
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
+    """The grid the tuner measures, from the shape alone: every window fits the device budget with its staging
+    slots, and each tier is the nearest the budgets allow (cpu when the offloaded part fits, else disk)."""
+    args = plan_args()
+    cands = tune.candidates(TINY, args, cuda)
+    live = [c for c in cands if not c.pruned]
+    # 1024: two open chunks (one per layer) are over the budget; 512: the staging slots too, where they are used
+    assert {c.chunk_size for c in live} == ({128, 256} if cuda else {128, 256, 512})
+    for c in live:
+        assert c.kv["device"] <= args.device_budget * 2**30, c
+        assert c.staged == (cuda or c.compress == "zstd")
+        if c.offload == "cpu":
+            assert c.kv["host"] <= args.cpu_budget * 2**30
+        else:
+            cpu = tune.plan(tune.Candidate(c.chunk_size, c.window, "cpu"), TINY, tune.DTYPES["fp32"], 2048, 16, cuda)
+            assert cpu.kv["host"] > args.cpu_budget * 2**30, "disk chosen where the cpu tier would have held it"
+    assert any(c.compress == "zstd" for c in live)
+    assert any(c.offload == "cpu" for c in live) != cuda  # on CUDA the staging slots leave windows too small
+    assert all(c.pruned for c in cands if c.chunk_size == 1024)
+    # a device budget that holds all the KV: nothing is offloaded
+    assert {c.offload for c in tune.candidates(TINY, plan_args(device_budget=1.0), cuda)} == {"none"}
+
+
+def test_tune_refuses_what_it_picks(capsys):
+    assert tune.main(["--chunk-size", "64", "--random-model", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--chunk-sizes" in err
+
+
+# -----------------------------------------------------------------------------
+# verify.py --diagnose: one seeded fault per test, found and named on one line
+
+def diagnose(capsys, ckpt, *args):
+    rc = doctor.main(["--ckpt", ckpt, "--device", "cpu", "--threads", "1", "--probe-mib", "8", *map(str, args)])
+    out = capsys.readouterr().out.splitlines()
+    return rc, [line for line in out if line.startswith("FOUND")], out
+
+
+def test_diagnose_finds_nothing_in_a_sound_configuration(capsys, llama_ckpt, tmp_path):
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", tmp_path / "kv",
+                              "--chunk-size", 16, "--window", 2, "--context", 256)
+    assert rc == 0 and not found, out
+    assert any(line.startswith("ok     bytes moving") for line in out), out
+    assert any("bit-identical" in line for line in out), out
+
+
+def test_diagnose_finds_an_unwritable_directory(capsys, llama_ckpt, tmp_path):
+    (tmp_path / "a_file").write_text("")  # a directory under a file cannot be created, even by root
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", tmp_path / "a_file" / "kv",
+                              "--chunk-size", 16, "--window", 2, "--context", 256)
+    assert rc == 1
+    assert any(line.startswith("FOUND  offload dir writable") and "--offload-dir" in line for line in found), out
+
+
+def test_diagnose_finds_a_window_larger_than_the_context(capsys, llama_ckpt):
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16, "--window", 32,
+                              "--context", 256)
+    assert rc == 1
+    line = next(line for line in found if line.startswith("FOUND  offload not in effect"))
+    assert "fits in --window 32" in line and "fix: --window 14" in line, line
+
+
+def test_diagnose_finds_a_budget_smaller_than_the_kv(capsys, llama_ckpt):
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--cpu-budget", "0.000001", "--chunk-size",
+                              16, "--window", 1, "--context", 256)
+    assert rc == 1
+    line = next(line for line in found if line.startswith("FOUND  budget smaller than the KV"))
+    assert "--cpu-budget 1e-06 GiB holds 0 of the 28 chunks" in line and "fix: --cpu-budget" in line, line
