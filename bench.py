@@ -78,7 +78,8 @@ def parse_model_spec(spec, layers=None):
 
 
 def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0):
-    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load. Linear weights at
+    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load (with a byte-level
+    tokenizer.json when the vocabulary has room for 256 bytes). Linear weights at
     std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device` (fast on a GPU)."""
     from safetensors.torch import save_file
     a = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"], n_kv_heads=sizes["kv_heads"],
@@ -101,6 +102,12 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
               "bos_token_id": 1, "eos_token_id": 2}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    if a.vocab_size >= 256:  # a byte-level tokenizer (ids 0-255), so that generate.py can encode a prompt for it
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                                   merges=[]))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        tok.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
 
 

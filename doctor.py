@@ -1,7 +1,8 @@
 """
 The troubleshooting chains of KV offload, checked on this machine for one configuration: `python verify.py --diagnose`.
 
-    python verify.py --diagnose --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv --context 32768
+    python verify.py --diagnose --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \
+        --context 32768
 
 One line per symptom, in the order users meet them, "ok" or "FOUND" with the cause and the flag that fixes it:
     device memory never changes (offload not in effect): a context that fits in the window (window >= context in
@@ -28,7 +29,8 @@ import verify
 from cli import DTYPES, UsageError, add_common_flags, check_common, fmt_bytes, read_model_args
 from model import CheckpointError, Transformer
 from offload import COMPRESSIONS, MODES
-from tune import mem_available, slot
+from monitor import mem_available
+from tune import slot
 
 GiB = 2**30
 

@@ -43,6 +43,15 @@ def total_ram():
         return 0
 
 
+def mem_available():
+    """Bytes the kernel says can be allocated without swapping (MemAvailable); 0 where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
+    except OSError:
+        return 0
+
+
 def process_io():
     """Bytes this process has asked of storage so far (/proc/self/io read_bytes, write_bytes): the real device I/O,
     unlike reads through a mapping that the page cache serves. Zeros where the kernel does not say."""

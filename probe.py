@@ -220,6 +220,34 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
     return 1.0 / (cal["step_s"] + (sealed - n_off) * a + n_off * per_off)
 
 
+def prefill_fit(model, C, cuda, steps=3):
+    """(fixed, per_chunk): seconds of a prefill step of C tokens, as fixed + k * per_chunk for a step attending k
+    sealed chunks, fitted to a prefill of `steps` chunks of random ids (run twice: the first warms up)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dev = next(model.parameters()).device
+    ids = torch.randint(3, model.args.vocab_size, (1, steps * C), generator=torch.Generator().manual_seed(2)).to(dev)
+    for _ in range(2):
+        cache, marks = make_cache(model, OffloadConfig(), C, steps * C), [time.perf_counter()]
+        try:
+            prefill(model, cache, ids, on_step=lambda *_: (sync(), marks.append(time.perf_counter())))
+        finally:
+            cache.store.close()
+    dt = [b - a for a, b in zip(marks, marks[1:])]
+    return dt[0], max(0.0, ((dt[1] - dt[0]) + (dt[2] - dt[0]) / 2) / 2)
+
+
+def predict_prefill(fit, cal, ctx, mode, args, margs):
+    """Predicted prefill tokens/s: N = ctx / C steps, step k attending k sealed chunks, so N * fixed + per_chunk *
+    N (N - 1) / 2 seconds; disk+zstd adds compressing each chunk that leaves the device (the writer thread shares
+    the cores with the compute on a small machine). Other tiers move chunks off the critical path: nothing added."""
+    (fixed, per_chunk), N = fit, -(-ctx // args.chunk_size)
+    s = N * fixed + per_chunk * N * (N - 1) / 2
+    if mode == "disk+zstd" and cal.get("zstd"):
+        chunk = margs.kv_bytes_per_token(DTYPES[args.dtype]) // margs.n_layers * args.chunk_size
+        s += margs.n_layers * max(0, N - 1 - args.window) * chunk / (cal["zstd"]["compress_gbps"] * GB)
+    return ctx / s
+
+
 def verdict(cal, args, margs, contexts, modes, cuda):
     """Plain words: will offload pay on this machine?"""
     ctx, link, kv = max(contexts), cal["link_gbps"], max(contexts) * margs.kv_bytes_per_token(DTYPES[args.dtype])

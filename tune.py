@@ -36,9 +36,8 @@ import bench
 import probe
 from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args
 from disk import ALIGN, DiskError, round_up
-from generate import prefill
-from kvcache import make_cache
 from model import CheckpointError, Transformer
+from monitor import mem_available
 from offload import OffloadConfig, OffloadError
 from taskdir import TaskDirError
 
@@ -111,13 +110,12 @@ def candidates(margs, args, cuda):
             out.append(none)
             continue
         for compress in ("none", "zstd"):
-            staged = cuda or compress == "zstd"
-            S, L = OffloadConfig.staging_slots if staged else 0, margs.n_layers
+            S, L = OffloadConfig.staging_slots if cuda or compress == "zstd" else 0, margs.n_layers
             w_max = min((int(dev // slot(margs, dt, C)) - S) // L - 1, none.window - 2)  # >= 1 chunk must leave
             if w_max < 0:
-                least = (L * 2 + S) * slot(margs, dt, C) / MiB
-                out.append(Candidate(C, 0, "disk", compress, step=2 + (compress == "zstd"), pruned=f"window 0 and 1 chunk left: {least:.1f} MiB "
-                                     f"of KV on the device{' with the staging slots' if S else ''}, over the budget"))
+                out.append(Candidate(C, 0, "disk", compress, step=2 + (compress == "zstd"), pruned="the open chunks "
+                                     f"alone{' and staging slots' if S else ''} take {(L + S) * slot(margs, dt, C) / MiB:.1f}"
+                                     " MiB of device KV, over the budget"))
                 continue
             for w in sorted({min(1, w_max), w_max}):
                 c = plan(Candidate(C, w, "cpu", cpu_budget=args.cpu_budget), margs, dt, ctx, new, cuda)
@@ -127,37 +125,6 @@ def candidates(margs, args, cuda):
                     out.append(plan(Candidate(C, w, "disk", compress, cpu_budget=args.cpu_budget, step=2 + (
                         compress == "zstd")), margs, dt, ctx, new, cuda))
     return out
-
-
-# -----------------------------------------------------------------------------
-# predictions: decode from probe.py's calibration, prefill from a two-point fit of prefill steps
-
-def prefill_fit(model, C, cuda, steps=3):
-    """Seconds of a prefill step over (fixed, per sealed chunk attended), measured on steps chunks of random ids,
-    twice (the first warms up): step k costs fixed + k * per_chunk."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dev = next(model.parameters()).device
-    ids = torch.randint(3, model.args.vocab_size, (1, steps * C), generator=torch.Generator().manual_seed(2)).to(dev)
-    for _ in range(2):
-        cache, marks = make_cache(model, OffloadConfig(), C, steps * C), [time.perf_counter()]
-        try:
-            prefill(model, cache, ids, on_step=lambda *_: (sync(), marks.append(time.perf_counter())))
-        finally:
-            cache.store.close()
-    dt = [b - a for a, b in zip(marks, marks[1:])]
-    return dt[0], max(0.0, ((dt[1] - dt[0]) + (dt[2] - dt[0]) / 2) / 2)
-
-
-def predict_prefill(fit, cal, c, margs, dtype, context):
-    """Prefill tokens/s: N steps of C tokens, step k attending k sealed chunks; zstd adds compressing every chunk
-    that leaves the device (its writer thread shares the cores with the compute on a small machine)."""
-    (fixed, per_chunk), N = fit, -(-context // c.chunk_size)
-    s = N * fixed + per_chunk * N * (N - 1) / 2
-    if c.compress == "zstd" and cal.get("zstd"):
-        evicted = margs.n_layers * max(0, N - 1 - c.window)
-        s += evicted * margs.kv_bytes_per_token(dtype) // margs.n_layers * c.chunk_size / (
-            cal["zstd"]["compress_gbps"] * probe.GB)
-    return context / s
 
 
 def as_args(args, c):
@@ -181,10 +148,10 @@ def search(model, margs, args, log):
             continue
         t = time.perf_counter()
         cal = probe.calibrate(model, as_args(args, group[0]), [ctx], ["disk+zstd"] if zstd else [])
-        fit = prefill_fit(model, C, cuda)
+        fit = probe.prefill_fit(model, C, cuda)
         for c in group:
             c.pred_decode = probe.predict_decode(cal, ctx, c.mode, as_args(args, c), margs, cuda)
-            c.pred_prefill = predict_prefill(fit, cal, c, margs, dt, ctx)
+            c.pred_prefill = probe.predict_prefill(fit, cal, ctx, c.mode, as_args(args, c), margs)
             if c.kv["disk"] > free:
                 c.pruned = f"the disk tier needs {c.kv['disk'] / 2**30:.1f} GiB, {args.offload_dir} has " \
                            f"{free / 2**30:.1f} GiB free"
@@ -303,47 +270,27 @@ def table(cands):
 
 def steps(cands, rec, margs, args):
     """One line per tuning step, in the order above: what was decided and what the measurements said."""
-    dec = lambda c: c.measured("decode_tokens_per_s")  # noqa: E731
-    ran = [c for c in cands if c.runs and c.step < 4]
-    by_c = {C: max(dec(c) for c in ran if c.chunk_size == C) for C in sorted({c.chunk_size for c in ran})}
-    out = [f"1. chunk size {rec.chunk_size} ({rec.chunk_bytes / MiB:.2f} MiB per layer chunk): best measured decode "
-           "by chunk size " + ", ".join(f"{C}: {v:,.1f}" for C, v in by_c.items()) + " tok/s"]
-    none = plan(Candidate(rec.chunk_size, 0, "none"), margs, DTYPES[args.dtype], args.context,
-                args.new_tokens, probe.is_cuda(args.device))
-    budget = f"--device-budget {args.device_budget * 2**30 / MiB:,.1f} MiB"
-    if rec.offload == "none":
-        out.append(f"2. tier none: the whole KV ({none.kv['device'] / MiB:,.1f} MiB) fits {budget}")
-    else:
-        out.append(f"2. tier {rec.offload}: the whole KV ({none.kv['device'] / MiB:,.1f} MiB) is over {budget}; "
-                   f"window {rec.window} keeps {rec.kv['device'] / MiB:,.1f} MiB on the device; the rest "
-                   f"({(rec.kv['host'] + rec.kv['disk']) / MiB:,.1f} MiB) " + ("fits" if rec.offload == "cpu" else
-                   "is over") + f" --cpu-budget {args.cpu_budget * 2**30 / MiB:,.1f} MiB")
+    dec, gib = (lambda c: c.measured("decode_tokens_per_s")), (lambda x: f"{x * 2**30 / MiB:,.1f} MiB")  # noqa: E731
+    by_c = {C: [dec(c) for c in cands if c.chunk_size == C and c.runs] for C in sorted({c.chunk_size for c in cands})}
+    whole = plan(Candidate(rec.chunk_size, 0, "none"), margs, DTYPES[args.dtype], args.context, args.new_tokens,
+                 probe.is_cuda(args.device)).kv["device"] / 2**30
     z = [c for c in cands if c.compress == "zstd"]
-    zr = [c for c in z if c.runs]
-    out.append("3. compression " + rec.compress + ": " + (
-        "not tried: zstd applies to the disk tier, and no configuration needed it" if not z else
-        f"zstd measured at best {max(dec(c) for c in zr):,.1f} tok/s" if zr else
-        "zstd pruned: " + (z[0].pruned or "")))
-    s = [c for c in cands if c.step == 4 or (c.staged and c.runs and c.chunk_size == rec.chunk_size
-                                             and c.window == rec.window and c.mode == rec.mode)]
-    out.append(f"4. prefetch: {rec.staging_slots} staging slots, measured " + ", ".join(
-        f"{c.staging_slots}: {dec(c):,.1f}" for c in sorted(s, key=lambda c: c.staging_slots) if c.runs) + " tok/s"
-        if rec.staged else "4. prefetch: nothing is staged on this path (on CPU without zstd attention reads "
-        "offloaded chunks in place), so staging slots do not matter")
-    return out
-
-
-def add_byte_tokenizer(ckpt, vocab_size):
-    """A byte-level tokenizer.json (ids 0-255) for a random model, so that the printed generate.py command can
-    encode its prompt. None for a vocabulary under 256 bytes."""
-    if vocab_size < 256:
-        return False
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                               merges=[]))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.save(os.path.join(ckpt, "tokenizer.json"))
-    return True
+    slots = sorted((c.staging_slots, dec(c)) for c in cands if c.runs and c.staged and (c.chunk_size, c.window,
+                   c.mode) == (rec.chunk_size, rec.window, rec.mode))
+    return [f"1. chunk size {rec.chunk_size} ({rec.chunk_bytes / MiB:.2f} MiB per layer chunk); best measured decode "
+            "by chunk size: " + ", ".join(f"{C} {max(v):,.1f} tok/s" if v else f"{C} pruned" for C, v in by_c.items()),
+            f"2. tier {rec.offload}: the whole KV ({gib(whole)}) " + (
+                f"fits --device-budget {gib(args.device_budget)}" if rec.offload == "none" else
+                f"is over --device-budget {gib(args.device_budget)}; window {rec.window} keeps "
+                f"{rec.kv['device'] / MiB:,.1f} MiB on the device, the rest "
+                f"({(rec.kv['host'] + rec.kv['disk']) / MiB:,.1f} MiB) {'fits' if rec.offload == 'cpu' else 'is over'}"
+                f" --cpu-budget {gib(args.cpu_budget)}"),
+            f"3. compression {rec.compress}: " + ("not tried: zstd is for the disk tier, which no configuration needed"
+            if not z else f"zstd measured at best {max(dec(c) for c in z if c.runs):,.1f} tok/s" if any(
+                c.runs for c in z) else f"zstd pruned ({z[0].pruned})"),
+            f"4. prefetch: {rec.staging_slots} staging slots; measured " + ", ".join(
+                f"{s}: {d:,.1f} tok/s" for s, d in slots) if rec.staged else "4. prefetch: nothing is staged on this "
+            "path (on CPU without zstd attention reads offloaded chunks in place): staging slots do not matter"]
 
 
 # -----------------------------------------------------------------------------
@@ -370,7 +317,6 @@ def build_parser():
                    "(default %(default)s)")
     p.add_argument("--random-model", metavar="SPEC", help=f"tune a random model: a preset {sorted(bench.PRESETS)} "
                    "and/or dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
-    p.add_argument("--layers", type=int, help="with --random-model: set the layer count")
 
     def one_line_error(message):
         print(f"bench.py --tune: error: {message}", file=sys.stderr)
@@ -390,8 +336,7 @@ def check(args):
     checks = [(args.context >= 1, f"--context must be >= 1, got {args.context}"),
               (args.new_tokens >= 2 and args.repeats >= 1, "--new-tokens must be >= 2 and --repeats >= 1"),
               (sizes and sizes[0] >= 1, f"--chunk-sizes must be positive, got {args.chunk_sizes!r}"),
-              (args.device_budget is None or args.device_budget > 0, "--device-budget must be > 0 GiB"),
-              (args.layers is None or (args.layers >= 1 and args.random_model), "--layers goes with --random-model")]
+              (args.device_budget is None or args.device_budget > 0, "--device-budget must be > 0 GiB")]
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
@@ -399,17 +344,12 @@ def check(args):
     args.staging_slots = OffloadConfig.staging_slots
     check_common(args, needs_disk=True)
     if args.random_model:
-        args.sizes = bench.parse_model_spec(args.random_model, args.layers)
+        args.sizes = bench.parse_model_spec(args.random_model)
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the "
                              "new model; give a new directory")
     elif not os.path.isdir(args.ckpt or bench.DEMO_CKPT):
         raise UsageError(f"--ckpt {args.ckpt}: no such directory")
-
-
-def mem_available():
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 
 
 def main(argv=None):
@@ -423,10 +363,8 @@ def main(argv=None):
         if args.random_model:
             args.ckpt = bench.build_random_checkpoint(args.sizes, args.ckpt or tempfile.mkdtemp(prefix="tune-model-"),
                                                       dt, args.device)
-            has_tok = add_byte_tokenizer(args.ckpt, args.sizes["vocab"])
-            log(f"random model written to {args.ckpt} (kept: the command below uses it)" + (
-                "" if has_tok else "; its vocabulary is under 256, so it has no tokenizer and generate.py cannot "
-                "encode a prompt for it"))
+            log(f"random model written to {args.ckpt} (kept: the command below uses it" + (
+                ")" if args.sizes["vocab"] >= 256 else "; with a vocabulary under 256 it has no tokenizer)"))
         args.ckpt = args.ckpt or bench.DEMO_CKPT
         margs = read_model_args(args.ckpt)
         if args.context + args.new_tokens > margs.max_context:
@@ -456,12 +394,10 @@ def main(argv=None):
     rec_cfg = {"chunk_size": rec.chunk_size, "window": rec.window if rec.offload != "none" else None,
                "offload": rec.offload, "compress": rec.compress, "cpu_budget": rec.cpu_budget,
                "staging_slots": rec.staging_slots if rec.staged else None}
-    measured = {"decode_tokens_per_s": rec.measured("decode_tokens_per_s"),
-                "prefill_tokens_per_s": rec.measured("prefill_tokens_per_s"),
-                "predicted_decode_tokens_per_s": rec.pred_decode, "device_kv_bytes": rec.measured("device_kv_bytes"),
-                "peak_host_rss_bytes": rec.measured("peak_host_rss_bytes"), "kv_bytes_planned": rec.kv,
-                "runs": len(rec.runs), "fastest_decode_tokens_per_s": fastest.measured("decode_tokens_per_s"),
-                "context": args.context, "device_budget_gib": args.device_budget, "cpu_budget_gib": args.cpu_budget}
+    measured = {k: rec.measured(k) for k in ("decode_tokens_per_s", "prefill_tokens_per_s", "device_kv_bytes",
+                                             "peak_host_rss_bytes", "peak_host_anon_bytes")} | {
+        "predicted_decode_tokens_per_s": rec.pred_decode, "kv_bytes_planned": rec.kv, "runs": len(rec.runs),
+        "fastest_decode_tokens_per_s": fastest.measured("decode_tokens_per_s"), "context": args.context}
     print(json.dumps({"recommended": rec_cfg, "command": command(rec, args), "measured": measured, "why": why}))
     return 0
 
