@@ -143,24 +143,51 @@ def zstd_on_real_kv(model, chunk_size, n_chunks=2):
 # -----------------------------------------------------------------------------
 # calibration and prediction
 
+def filled_cache(model, ctx, chunk_size, max_length):
+    """A KVCache (--offload none) holding ctx positions of synthetic K and V, written through its own verbs instead
+    of a prefill: seconds, not minutes, at any context. The caller closes its store."""
+    a = model.args
+    cache = make_cache(model, OffloadConfig(), chunk_size, max_length)
+    while cache.length < ctx:
+        off = cache.length % chunk_size
+        n = min(chunk_size - off, ctx - cache.length)
+        cache.begin(n)
+        for layer in range(a.n_layers):  # what attention writes for n positions: K at [0], V at [1]
+            cache.store.open_chunk(layer)[:, :, :, off:off + n].uniform_(-1, 1)
+        if cache.commit():               # a full chunk is sealed, as after a prefill step
+            cache.store.seal(cache.n_sealed - 1)
+    return cache
+
+
 def decode_step_s(model, ctx, chunk_size, steps=8):
-    """Median decode step at context ctx on the real path (model + KVCache, --offload none), the cache filled with
-    synthetic K and V through its own verbs instead of a prefill: seconds, not minutes, at any context."""
-    a, dev = model.args, next(model.parameters()).device
-    cache = make_cache(model, OffloadConfig(), chunk_size, ctx + steps + 2)
+    """Median decode step at context ctx on the real path (model + KVCache, --offload none)."""
+    dev = next(model.parameters()).device
+    cache = filled_cache(model, ctx, chunk_size, ctx + steps + 2)
     try:
-        while cache.length < ctx:
-            off = cache.length % chunk_size
-            n = min(chunk_size - off, ctx - cache.length)
-            cache.begin(n)
-            for layer in range(a.n_layers):  # what attention writes for n positions: K at [0], V at [1]
-                cache.store.open_chunk(layer)[:, :, :, off:off + n].uniform_(-1, 1)
-            if cache.commit():               # a full chunk is sealed, as after a prefill step
-                cache.store.seal(cache.n_sealed - 1)
         token = torch.tensor([[3]], device=dev)
         return median_time(lambda: decode_one_token(model, cache, token), dev, reps=steps)
     finally:
         cache.store.close()
+
+
+def prefill_step_s(model, n_sealed, chunk_size, reps=2):
+    """The fastest of reps prefill steps of chunk_size tokens after n_sealed sealed chunks, each on a fresh cache
+    (a step seals its chunk), after one warm-up: the fastest is the one a busy machine disturbed least."""
+    dev = next(model.parameters()).device
+    sync = torch.cuda.synchronize if is_cuda(dev) else (lambda: None)
+    ids = torch.randint(3, model.args.vocab_size, (1, chunk_size), generator=torch.Generator().manual_seed(2)).to(dev)
+    times = []
+    for _ in range(reps + 1):
+        cache = filled_cache(model, n_sealed * chunk_size, chunk_size, (n_sealed + 1) * chunk_size)
+        try:
+            sync()
+            t = time.perf_counter()
+            prefill(model, cache, ids)
+            sync()
+            times.append(time.perf_counter() - t)
+        finally:
+            cache.store.close()
+    return min(times[1:])
 
 
 def worker_handoff_s(n=100):
@@ -220,20 +247,12 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
     return 1.0 / (cal["step_s"] + (sealed - n_off) * a + n_off * per_off)
 
 
-def prefill_fit(model, C, cuda, steps=3):
-    """(fixed, per_chunk): seconds of a prefill step of C tokens, as fixed + k * per_chunk for a step attending k
-    sealed chunks, fitted to a prefill of `steps` chunks of random ids (run twice: the first warms up)."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dev = next(model.parameters()).device
-    ids = torch.randint(3, model.args.vocab_size, (1, steps * C), generator=torch.Generator().manual_seed(2)).to(dev)
-    for _ in range(2):
-        cache, marks = make_cache(model, OffloadConfig(), C, steps * C), [time.perf_counter()]
-        try:
-            prefill(model, cache, ids, on_step=lambda *_: (sync(), marks.append(time.perf_counter())))
-        finally:
-            cache.store.close()
-    dt = [b - a for a, b in zip(marks, marks[1:])]
-    return dt[0], max(0.0, ((dt[1] - dt[0]) + (dt[2] - dt[0]) / 2) / 2)
+def prefill_fit(model, ctx, chunk_size):
+    """(fixed, per_chunk): a prefill step of C tokens after k sealed chunks costs fixed + k * per_chunk, measured at
+    k = 0 and k = n_b (up to 8, as the decode calibration does), so that the slope is a difference worth measuring."""
+    n_b = max(1, min(8, ctx // chunk_size - 1))
+    fixed = prefill_step_s(model, 0, chunk_size)
+    return fixed, max(0.0, (prefill_step_s(model, n_b, chunk_size) - fixed) / n_b)
 
 
 def predict_prefill(fit, cal, ctx, mode, args, margs):

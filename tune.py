@@ -148,7 +148,7 @@ def search(model, margs, args, log):
             continue
         t = time.perf_counter()
         cal = probe.calibrate(model, as_args(args, group[0]), [ctx], ["disk+zstd"] if zstd else [])
-        fit = probe.prefill_fit(model, C, cuda)
+        fit = probe.prefill_fit(model, ctx, C)
         for c in group:
             c.pred_decode = probe.predict_decode(cal, ctx, c.mode, as_args(args, c), margs, cuda)
             c.pred_prefill = probe.predict_prefill(fit, cal, ctx, c.mode, as_args(args, c), margs)
@@ -310,7 +310,7 @@ def build_parser():
     p.add_argument("--device-budget", type=float, help="GiB of KV the device may hold (default: CUDA, 90%% of its "
                    "free memory after the weights; CPU, half of MemAvailable)")
     p.add_argument("--context", type=int, default=8192, help="prompt tokens to tune for (default %(default)s)")
-    p.add_argument("--new-tokens", type=int, default=16, help="greedy tokens decoded per run (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens decoded per run (default %(default)s)")
     p.add_argument("--chunk-sizes", default=",".join(map(str, CHUNKS)), help="step 1's grid, cut at --context "
                    "(default %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="runs of the configurations within 80%% of the best "
