@@ -200,7 +200,8 @@ def calibrate(model, args, contexts, modes, disk=False):
     """Everything predict_decode needs, measured here in a few seconds (the disk only for the probe). The decode
     step is measured at a context inside one chunk and at n_b sealed chunks: their difference is the cost of
     attending to L * n_b sealed chunks, from which longer contexts are extrapolated, one chunk at a time."""
-    n_b = max(1, min(8, max(contexts) // args.chunk_size))
+    # at least 8 chunks and 4096 positions where the context has them: a difference large enough to measure
+    n_b = max(1, min(max(contexts) // args.chunk_size, max(8, 4096 // args.chunk_size)))
     cal = {"step_s": decode_step_s(model, 1, args.chunk_size), "link_gbps": link_bandwidth(args.device),
            "step_at_s": {n_b: decode_step_s(model, n_b * args.chunk_size, args.chunk_size)}}
     cal["chunk_s"] = max(0.0, cal["step_at_s"][n_b] - cal["step_s"]) / (model.args.n_layers * n_b)

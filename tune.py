@@ -2,22 +2,20 @@
 The tuner behind `python bench.py --tune`: the chunk size, window, tier, compression and staging slots that decode
 fastest at one context within a budget of device memory and one of host memory, measured on this machine.
 
-    python bench.py --tune --ckpt DIR --context 8192 --device-budget 0.008 --cpu-budget 0.025 --threads 1
+    python bench.py --tune --ckpt DIR --context 8192 --device-budget 0.008 --cpu-budget 0.026 --threads 1
 
 It follows the order in which KV offload is usually tuned, one knob per step:
-    1. chunk size (128, 256, 512, 1024, up to the context): larger = fewer and larger transfers, fewer chunk visits
-       per decode step, but more device memory per chunk. Windows: the most sealed chunks per layer that fit the
-       device budget, KV on the device = (L * (window + 1 open chunk) + staging slots) chunks, and 1 (a small
-       footprint);
+    1. chunk size (128 to 1024, up to the context): larger = fewer, larger transfers and chunk visits per step, more
+       device memory per chunk. Windows: 1, and the most that fit the device budget, where device KV = (L * (window
+       + 1 open chunk) + staging slots) chunks;
     2. tier: none if the whole KV fits the device budget, else cpu if the offloaded part fits --cpu-budget, else
-       disk (the memory-mapped files of disk.py, with a host tier of --cpu-budget in front of them);
+       disk (memory-mapped files, with a host tier of --cpu-budget in front);
     3. compression: the disk tier with and without zstd;
     4. prefetch: 2, 4 and 8 staging slots for the winner, where chunks are staged at all (CUDA, or zstd).
-Every candidate is predicted first (decode: probe.predict_decode from this machine's measured costs; prefill: a
-two-point fit of measured prefill steps); one predicted under half the best prediction is pruned, and said so. The
-rest are measured with bench.run_ours, the close ones again. The recommendation is the fastest measured decode
-within both budgets, or one within 5% of it (less than the noise of a shared machine) that holds less KV on the
-device. The last line of stdout is one JSON object: {"recommended", "command", "measured", "why"}.
+Each candidate is predicted first (probe.py, from this machine's costs measured twice); one predicted under half the
+best is pruned, and said so. The rest are measured (bench.run_ours), the close ones again. The recommendation is the
+fastest measured decode within both budgets, or one within 5% of it (a tie on a shared machine) that holds less KV
+on the device. The last line of stdout is one JSON object: {"recommended", "command", "measured", "why"}.
 """
 import argparse
 import json
@@ -44,7 +42,7 @@ from taskdir import TaskDirError
 CHUNKS = (128, 256, 512, 1024)   # step 1's grid, cut at the context
 SLOTS = (2, 4, 8)                # step 4's grid
 PRUNE = 0.5                      # predicted decode under this fraction of the best prediction: not measured
-CLOSE = 0.8                      # measured decode over this fraction of the best: measured again
+CLOSE = 0.6                      # measured decode over this fraction of the best: measured again
 TIE = 0.05                       # within this of the best measured decode: a tie, broken by the device footprint
 MiB = 2**20
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -142,26 +140,26 @@ def search(model, margs, args, log):
     cands = candidates(margs, args, cuda)
     zstd = any(c.compress == "zstd" for c in cands)
     free = shutil.disk_usage(args.offload_dir).free
-    for C in sorted({c.chunk_size for c in cands}):
-        group = [c for c in cands if c.chunk_size == C and not c.pruned]
-        if not group:
-            continue
-        t = time.perf_counter()
-        cal = probe.calibrate(model, as_args(args, group[0]), [ctx], ["disk+zstd"] if zstd else [])
-        fit = probe.prefill_fit(model, ctx, C)
-        for c in group:
-            c.pred_decode = probe.predict_decode(cal, ctx, c.mode, as_args(args, c), margs, cuda)
-            c.pred_prefill = probe.predict_prefill(fit, cal, ctx, c.mode, as_args(args, c), margs)
-            if c.kv["disk"] > free:
-                c.pruned = f"the disk tier needs {c.kv['disk'] / 2**30:.1f} GiB, {args.offload_dir} has " \
-                           f"{free / 2**30:.1f} GiB free"
-        log(f"calibrated chunk {C} in {time.perf_counter() - t:.1f}s")
+    sizes = sorted({c.chunk_size for c in cands if not c.pruned})
+    cals, pfits = {C: [] for C in sizes}, {C: [] for C in sizes}
+    t = time.perf_counter()
+    for rnd in range(2):  # twice, the second in reverse order, medians: so that drift hits every chunk size alike
+        for C in sizes[::1 if rnd == 0 else -1]:
+            first = next(c for c in cands if c.chunk_size == C and not c.pruned)
+            cals[C].append(probe.calibrate(model, as_args(args, first), [ctx], ["disk+zstd"] if zstd else []))
+            pfits[C].append(probe.prefill_fit(model, ctx, C))
+    log(f"calibrated chunk sizes {sizes} in {time.perf_counter() - t:.1f}s")
+    for c in (c for c in cands if not c.pruned):
+        cal, fit = probe.median_of(cals[c.chunk_size]), [statistics.median(x) for x in zip(*pfits[c.chunk_size])]
+        c.pred_decode = probe.predict_decode(cal, ctx, c.mode, as_args(args, c), margs, cuda)
+        c.pred_prefill = probe.predict_prefill(fit, cal, ctx, c.mode, as_args(args, c), margs)
+        if c.kv["disk"] > free:
+            c.pruned = f"the disk tier needs {c.kv['disk'] / MiB:,.0f} MiB, {args.offload_dir} has {free / MiB:,.0f}"
     live = [c for c in cands if not c.pruned and c.pred_decode]
     best_pred = max(c.pred_decode for c in live)
     for c in live:
         if c.pred_decode < PRUNE * best_pred:
-            c.pruned = f"predicted {c.pred_decode:,.1f} tok/s, under {PRUNE:.0%} of the best prediction " \
-                       f"({best_pred:,.1f})"
+            c.pruned = f"predicted {c.pred_decode:,.1f} tok/s, under {PRUNE:.0%} of the best ({best_pred:,.1f})"
     ids = torch.randint(3, margs.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     warm = min(cands, key=lambda c: c.chunk_size)  # first calls pay for thread pools and allocators: not recorded
     bench.run_ours(model, ids[:warm.chunk_size * 2], as_args(args, warm), "none", "tune_warmup", 3)
@@ -171,9 +169,9 @@ def search(model, margs, args, log):
             _, st = bench.run_ours(model, ids, as_args(args, c), c.mode, f"tune_{len(c.runs)}_{id(c)}")
             st["device_kv_bytes"] = st["peak_device_bytes"] - weights
             c.runs.append(st)
-            log(f"{why}: chunk {c.chunk_size} window {c.window} {c.mode} slots {c.staging_slots}: decode "
-                f"{st['decode_tokens_per_s']:,.1f} tok/s, prefill {st['prefill_tokens_per_s']:,.1f} tok/s, load "
-                f"{os.getloadavg()[0]:.2f}")
+            d, p = st["decode_tokens_per_s"], st["prefill_tokens_per_s"]
+            log(f"{why}: chunk {c.chunk_size} window {c.window} {c.mode} slots {c.staging_slots}: decode {d:,.1f}, "
+                f"prefill {p:,.1f} tok/s, load {os.getloadavg()[0]:.2f}")
     measure(sorted((c for c in live if not c.pruned), key=lambda c: -c.pred_decode), "measure")
     for rep in range(args.repeats - 1):  # the close ones again, in reverse order, so that drift hits them alike
         best = max(c.measured("decode_tokens_per_s") for c in cands if c.runs)
@@ -198,15 +196,11 @@ def search(model, margs, args, log):
     return cands
 
 
-def fits(c, args):
-    dev = c.measured("device_kv_bytes") if c.runs else c.kv["device"]
-    return max(dev, c.kv["device"]) <= args.device_budget * 2**30 and c.kv["host"] <= args.cpu_budget * 2**30
-
-
 def choose(cands, args):
     """(recommended, fastest, why): the fastest measured decode within the budgets, or a tie with a smaller
     device footprint (then a nearer tier, then no compression, then the faster prefill)."""
-    ok = [c for c in cands if c.runs and fits(c, args)]
+    ok = [c for c in cands if c.runs and max(c.kv["device"], c.measured("device_kv_bytes")) <= args.device_budget
+          * 2**30 and c.kv["host"] <= args.cpu_budget * 2**30]  # planned and measured within the budgets
     if not ok:
         raise UsageError("no configuration fits --device-budget and --cpu-budget; raise one of them")
     dec = lambda c: c.measured("decode_tokens_per_s")  # noqa: E731
@@ -214,8 +208,10 @@ def choose(cands, args):
     ties = [c for c in ok if dec(c) >= (1 - TIE) * dec(fastest)]
     rec = min(ties, key=lambda c: (c.kv["device"], ("none", "cpu", "disk").index(c.offload), c.compress != "none",
                                    -c.measured("prefill_tokens_per_s")))
+    others = ", ".join(f"chunk {c.chunk_size} window {c.window} {c.mode} {dec(c):,.1f}" for c in ties if c is not rec)
     if rec is fastest:
-        why = f"the fastest measured decode ({dec(rec):,.1f} tok/s) of {len(ok)} configurations within the budgets"
+        why = f"the fastest measured decode ({dec(rec):,.1f} tok/s) of {len(ok)} configurations within the budgets" + (
+            f"; within {TIE:.0%} of it: {others} tok/s, none with a smaller device footprint" if others else "")
     else:
         reason = (f"{(fastest.kv['device'] - rec.kv['device']) / MiB:.2f} MiB less KV on the device"
                   if rec.kv["device"] < fastest.kv["device"] else "a nearer tier" if rec.offload != fastest.offload
@@ -313,7 +309,7 @@ def build_parser():
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens decoded per run (default %(default)s)")
     p.add_argument("--chunk-sizes", default=",".join(map(str, CHUNKS)), help="step 1's grid, cut at --context "
                    "(default %(default)s)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of the configurations within 80%% of the best "
+    p.add_argument("--repeats", type=int, default=2, help="runs of the configurations within 60%% of the best "
                    "(default %(default)s)")
     p.add_argument("--random-model", metavar="SPEC", help=f"tune a random model: a preset {sorted(bench.PRESETS)} "
                    "and/or dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
