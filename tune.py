@@ -32,7 +32,7 @@ import torch
 
 import bench
 import probe
-from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args
+from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args, remove_if_empty
 from disk import ALIGN, DiskError, round_up
 from model import CheckpointError, Transformer
 from monitor import mem_available
@@ -378,6 +378,9 @@ def main(argv=None):
     except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
         print(f"bench.py --tune: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if getattr(args, "created_offload_dir", False):
+            remove_if_empty(args.offload_dir)  # as generate.py does: the printed command creates it again
     kv_total = (args.context + args.new_tokens) * margs.kv_bytes_per_token(dt)
     print(f"{args.ckpt}: {margs.n_layers} layers x {margs.n_kv_heads} kv heads x {margs.head_dim}, {args.dtype} on "
           f"{args.device}, context {args.context} + {args.new_tokens} new: {kv_total / MiB:,.1f} MiB of KV; budgets: "
