@@ -199,10 +199,10 @@ def check_run(a, model, margs, skip):
                     "and --dtype: a different chunk size or dtype rounds differently)", ""))
     else:
         step, pos, phase, what = diff
-        likely = (f"position {pos} is a chunk boundary: chunk-boundary logic (seal, window eviction)"
-                  if pos is not None and pos % a.chunk_size in (0, a.chunk_size - 1) else
+        boundary = phase == "decode" and pos is not None and pos % a.chunk_size in (0, a.chunk_size - 1)
+        likely = (f"position {pos} is at a chunk boundary: the seal or window eviction logic" if boundary else
                   f"--dtype {a.dtype}: precision mixed across tiers" if a.dtype != "fp32" else
-                  "a chunk read back at the wrong position or from a stale slot (a missing stream wait)")
+                  "a chunk stitched in at the wrong position, or read from a stale slot (a missing stream wait)")
         out.append((True, "same output with offload on and off", f"step {step} ({phase}, position {pos}): {what}; "
                     f"likely cause: {likely}", "--offload none until fixed; report it with python verify.py"))
     return out

@@ -231,14 +231,10 @@ def command(c, args):
     """The generate.py command line of a configuration, runnable as printed from this directory."""
     cmd = ["python", os.path.relpath(os.path.join(ROOT, "generate.py")), "--ckpt", args.ckpt,
            "--chunk-size", c.chunk_size, "--offload", c.offload]
-    if c.offload != "none":
-        cmd += ["--window", c.window, "--cpu-budget", c.cpu_budget]
-    if c.compress != "none":
-        cmd += ["--compress", c.compress]
-    if c.staged:
-        cmd += ["--staging-slots", c.staging_slots]
-    if c.offload == "disk":
-        cmd += ["--offload-dir", args.offload_dir]
+    cmd += ["--window", c.window, "--cpu-budget", c.cpu_budget] if c.offload != "none" else []
+    cmd += ["--compress", c.compress] if c.compress != "none" else []
+    cmd += ["--staging-slots", c.staging_slots] if c.staged else []
+    cmd += ["--offload-dir", args.offload_dir] if c.offload == "disk" else []
     cmd += ["--device", args.device, "--dtype", args.dtype] + (["--threads", args.threads] if args.threads else [])
     return " ".join(shlex.quote(str(x)) for x in cmd + ["--max-new-tokens", args.new_tokens])
 
@@ -252,9 +248,8 @@ def table(cands):
     for c in sorted(cands, key=lambda c: (c.step, c.chunk_size, c.window, c.mode, c.staging_slots)):
         kv, m = c.kv or {}, c.runs[-1] if c.runs else None
         # where the KV was at the end of the run: chunks per tier x chunk bytes; the disk as written (zstd: smaller)
-        tiers = "-" if not m else " / ".join(mib(x) for x in (m["chunks"]["device"] * c.chunk_bytes,
-                                                             m["chunks"]["host"] * c.chunk_bytes,
-                                                             m["bytes"]["disk_write"]))
+        tiers = "-" if not m else " / ".join(mib(x) for x in (
+            m["chunks"]["device"] * c.chunk_bytes, m["chunks"]["host"] * c.chunk_bytes, m["bytes"]["disk_write"]))
         lines.append(
             f"| {c.step} | {c.chunk_size} | {c.window if c.offload != 'none' else 'all'} | {c.mode} | "
             f"{c.staging_slots if c.staged else '-'} | {num(c.pred_decode)} / {num(c.measured('decode_tokens_per_s'))}"

@@ -124,3 +124,23 @@ def test_diagnose_finds_a_budget_smaller_than_the_kv(capsys, llama_ckpt):
     assert rc == 1
     line = next(line for line in found if line.startswith("FOUND  budget smaller than the KV"))
     assert "--cpu-budget 1e-06 GiB holds 0 of the 28 chunks" in line and "fix: --cpu-budget" in line, line
+
+
+def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt):
+    if doctor.fs_type("/dev/shm") != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"/dev/shm/kv-{os.getpid()}",
+                              "--chunk-size", 16, "--window", 2, "--context", 256)
+    assert rc == 1
+    assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line for line in found), out
+
+
+def test_diagnose_names_a_mismatch_and_its_likely_cause(capsys, llama_ckpt, monkeypatch):
+    """Offload is bit-identical by construction, so the mismatch is seeded: the comparison reports a decode step
+    at a chunk boundary, and the doctor names the seal / eviction logic."""
+    monkeypatch.setattr(doctor.verify, "compare", lambda base, run: (40, 63, "decode", "logits differ (max 0.5)"))
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16, "--window", 2,
+                              "--context", 256)
+    assert rc == 1
+    line = next(line for line in found if line.startswith("FOUND  same output with offload on and off"))
+    assert "position 63" in line and "chunk boundary" in line, line
