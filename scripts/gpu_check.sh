@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one go, in under 8 minutes:
+# The checks that need a GPU, in one go, in under 10 minutes (the sum of the steps' limits):
 #   1. tests/test_offload.py (its CUDA tests run here: stream ordering, bit-identity, peak device memory)
 #   2. bench.py --probe: links (pinned/pageable H2D, D2H, both at once), disk, prediction, verdict
 #   3. bench.py on a KV-heavy random model (Llama-2-7B shape cut to 8 layers, bf16: 128 KiB of KV per token,
 #      4 GiB at 32K) for none/cpu/disk, without and with --vs-hf (transformers' DynamicCache, and offloaded)
+#   4. bench.py --tune on the demo model at 8K under a device budget smaller than its KV (the staging-slot step
+#      runs on CUDA), and verify.py --diagnose on CUDA (pinned memory, links)
 #
 #   bash scripts/gpu_check.sh OUT_DIR        # PYTHON=/path/to/python to choose the interpreter
 #
@@ -72,7 +74,12 @@ step bench 160 "$PY" bench.py $(model_flags) "${COMMON[@]}" --contexts 4096,3276
 step bench_vs_hf 120 "$PY" bench.py $(model_flags) "${COMMON[@]}" --contexts 32768 --modes none,cpu,disk \
     --new-tokens 16 --repeats 1 --vs-hf --json "$OUT/bench_vs_hf.json"
 
-for name in probe bench bench_vs_hf; do  # the tables alone, for pasting into the README
+step tune 75 "$PY" bench.py --tune --device cuda --context 8192 --device-budget 0.008 --cpu-budget 0.026 \
+    --offload-dir "$KV"
+
+step diagnose 45 "$PY" verify.py --diagnose --device cuda --offload cpu --context 8192
+
+for name in probe bench bench_vs_hf tune; do  # the tables alone, for pasting into the README
     grep -E '^\||^(torch|copy|calibration|Predicted|Pinned|zstd|Disk|CUDA)' "$OUT/$name.log" > "$OUT/$name.md" 2>/dev/null
 done
 echo "== $FAILED step(s) failed; results in $OUT" | tee -a "$OUT/status.txt"
