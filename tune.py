@@ -111,9 +111,9 @@ def candidates(margs, args, cuda):
             S, L = OffloadConfig.staging_slots if cuda or compress == "zstd" else 0, margs.n_layers
             w_max = min((int(dev // slot(margs, dt, C)) - S) // L - 1, none.window - 2)  # >= 1 chunk must leave
             if w_max < 0:
-                out.append(Candidate(C, 0, "disk", compress, step=2 + (compress == "zstd"), pruned="the open chunks "
-                                     f"alone{' and staging slots' if S else ''} take {(L + S) * slot(margs, dt, C) / MiB:.1f}"
-                                     " MiB of device KV, over the budget"))
+                least = (L + S) * slot(margs, dt, C) / MiB  # window 0: the open chunks (and staging slots)
+                out.append(Candidate(C, 0, "disk", compress, step=2 + (compress == "zstd"), pruned=f"window 0 "
+                                     f"takes {least:.1f} MiB of device KV, over the budget"))
                 continue
             for w in sorted({min(1, w_max), w_max}):
                 c = plan(Candidate(C, w, "cpu", cpu_budget=args.cpu_budget), margs, dt, ctx, new, cuda)
