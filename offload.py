@@ -17,9 +17,9 @@ The store's verbs, in the order generate.forward calls them:
     release(l, j) attention is done with it; its staging slot may be refilled
     seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
     close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (the host tier and the pinned bounce buffers), Staging (device slots filled
-ahead of attention), a reader thread (disk reads, zstd) and a writer thread (disk writes and the syncs a
-manifest needs: on a thread of their own so that a chunk boundary never delays the next step's prefetch).
+Four pieces do the work: HostPool (the host tier and the pinned bounce buffers) and Staging (device slots filled
+ahead of attention), both in pools.py, a reader thread (disk reads, zstd) and a writer thread (disk writes and
+the syncs a manifest needs: on a thread of their own, so that a chunk boundary never delays the next prefetch).
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
 silently, so every wait is marked in the code as "rule N":
@@ -37,6 +37,8 @@ chunks) into staging slots ahead of attention.
 """
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,13 +49,10 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
+from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda  # noqa: F401
 
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
-
-
-class OffloadError(RuntimeError):
-    """The offload tiers cannot hold or move what they must; the message names the flag or path."""
 
 
 @dataclass
@@ -65,76 +64,6 @@ class OffloadConfig:
     compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
     keep_files: bool = False             # keep the task's directory after success (it is always kept on failure)
-
-
-def on_cuda(device):
-    """Whether the store drives CUDA streams and pinned memory for `device`. The emulated CUDA tests patch this one
-    function, so that the CUDA path runs (and is checked for races) on CPU tensors."""
-    return torch.device(device).type == "cuda"
-
-
-@dataclass(frozen=True)
-class Loc:
-    """Where a sealed chunk lives: on the device, in slot `slot` of the host pool, or on disk."""
-    tier: str       # "device" | "host" | "disk"
-    slot: int = -1  # host pool slot, for the host tier
-
-
-DEVICE, DISK = Loc("device"), Loc("disk")
-
-
-@dataclass
-class Fence:
-    """What must finish before a buffer is reused: a copy out of it (a CUDA event) and/or a disk write (a future)."""
-    event: Optional[object] = None
-    future: Optional[Future] = None
-
-
-def alloc_chunks(n, shape, dtype, device):
-    """(flat buffer, n chunk tensors carved from it), each chunk starting on an ALIGN boundary, so that a chunk has
-    the same alignment in every tier and every kernel sees identically laid out inputs."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    slot = round_up(nbytes, ALIGN)
-    flat = torch.empty(max(n, 1) * slot + ALIGN, dtype=torch.uint8, device=device)
-    base = (-flat.data_ptr()) % ALIGN                        # the allocator's own alignment may be less than a page
-    return flat, [flat[base + i * slot:base + i * slot + nbytes].view(dtype).view(shape) for i in range(n)]
-
-
-class HostPool:
-    """`n` chunk slots in host memory, allocated once. With pin=True their exact bytes are page-locked by registering
-    them with the CUDA driver, and unregistered at close(): torch's pinned allocator would round each request up to
-    a power of two and keep it pinned until the process exits (a 9 GiB budget would pin 16 GiB, for good)."""
-
-    def __init__(self, n, shape, dtype, pin):
-        self.flat, self.slots = alloc_chunks(n, shape, dtype, "cpu")
-        self.free = list(range(n - 1, -1, -1))
-        self.pinned_bytes = 0
-        if pin and n:
-            self.pinned_bytes = self.flat.numel()
-            if int(torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.pinned_bytes, 1)) != 0:
-                raise OffloadError(f"cannot pin {self.pinned_bytes / 2**30:.2f} GiB of host memory for the host "
-                                   "tier; lower --cpu-budget (or raise the locked-memory limit, ulimit -l)")
-
-    def close(self):
-        if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
-            self.pinned_bytes = 0
-
-
-class Staging:
-    """`n` device slots that prefetched chunks land in, in attention's order, a few chunks ahead of it. On CUDA each
-    slot has an event recorded when its copy is issued (ready) and one recorded when attention is done with it
-    (released); both are recorded once at creation so that the first wait on them waits for nothing pending."""
-
-    def __init__(self, n, shape, dtype, device, cuda):
-        self.flat, self.slots = alloc_chunks(n, shape, dtype, device)
-        self.free = list(range(n - 1, -1, -1))
-        self.queue, self.inflight = deque(), deque()   # (layer, j) to stage; (layer, j, slot, future) staged
-        if cuda:
-            self.ready = [torch.cuda.Event() for _ in range(n)]
-            self.released = [torch.cuda.Event() for _ in range(n)]
-            for e in self.ready + self.released:
-                e.record()
 
 
 # -----------------------------------------------------------------------------
@@ -184,11 +113,15 @@ class TieredStore:
         # the disk tier and its two threads: the reader (prefetch) and the writer (writes, then syncs)
         self.disk, self.written, self.checksums = None, {}, {}  # written: (layer, j) -> future of its disk write
         self.on_durable, self.disk_prefix, self.durable = on_durable, 0, None  # chunks < disk_prefix: on disk
+        self.own_dir = None  # a directory of our own when no task gave one: removed at close()
         if cfg.mode == "disk":
+            if disk_path is None:
+                os.makedirs(cfg.offload_dir, mode=0o700, exist_ok=True)
+                disk_path = self.own_dir = tempfile.mkdtemp(prefix="kv-", dir=cfg.offload_dir)
             blobs = {(l, int(j)): tuple(c["blob"][l]) for j, c in (restore or {}).items() if c.get("blob")
                      for l in range(n_layers)}
-            self.disk = DiskTier(disk_path or os.path.join(cfg.offload_dir, "task"), n_layers, self.n_chunks,
-                                 shape, dtype, cfg.compress, restore=blobs if restore else None)
+            self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype, cfg.compress,
+                                 restore=blobs if restore else None)
         offloading = cfg.mode != "none"
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None
@@ -450,3 +383,5 @@ class TieredStore:
                 pool.close()
         if self.disk is not None:
             self.disk.close()
+        if self.own_dir and not self.cfg.keep_files:
+            shutil.rmtree(self.own_dir, ignore_errors=True)

@@ -163,6 +163,14 @@ def decode_step_s(model, ctx, chunk_size, steps=8):
         cache.store.close()
 
 
+def visit_cost_s(model, ctx=16384, small=64, big=4096, steps=8):
+    """The fixed cost of visiting one sealed chunk (a load, a partial attention, a release, its share of the merge,
+    and the Python around them), apart from the bytes it attends: decode steps at the same context with small and
+    big chunks attend the same keys, so their difference divided by the extra visits is the cost per visit."""
+    t_small, t_big = decode_step_s(model, ctx, small, steps), decode_step_s(model, ctx, big, steps)
+    return (t_small - t_big) / (model.args.n_layers * (ctx // small - ctx // big))
+
+
 def worker_handoff_s(n=100):
     """A round trip to a worker thread, what each staged chunk pays (zstd on CPU; every offloaded chunk on CUDA)."""
     with ThreadPoolExecutor(1) as pool:
