@@ -4,6 +4,7 @@ The persistent KV store: prompt chunks kept on disk across runs and tasks, found
     store/                          0700, owned by the user (an entry is trusted KV: nobody else may plant one)
         <key>.kv                    one prompt chunk, every layer; 0600; <key> is 64 hex digits
         .tmp-<key>-<pid>-<random>   a write in progress, renamed over <key>.kv once complete and synced
+        <key>.claim                 a task is computing this chunk now (optional: claim / wait_for / release)
 
 Why reuse is exact: attention's schedule (kvcache.py) depends on positions and the chunk size only, so the K and V
 of prompt chunk j are a function of the model, the run's settings and the tokens at positions [0, (j+1)*C), and
@@ -48,10 +49,10 @@ HEADER = struct.Struct("<4sBBIQ32s")  # magic, compression, itemsize, n_layers, 
 LAYER = struct.Struct("<QI")           # stored length, CRC32
 HCRC = struct.Struct("<I")
 COMPRESSIONS = ("none", "zstd")        # index = the code in the header
-ENTRY = re.compile(r"^[0-9a-f]{64}\.kv$")
+ENTRY, CLAIM = re.compile(r"^[0-9a-f]{64}\.kv$"), re.compile(r"^[0-9a-f]{64}\.claim$")
 TEMP_PREFIX = ".tmp-"
-MAX_LAYERS = 1 << 16                   # a sanity bound before a header's layer count sizes a read
 STALE_TEMP_S = 3600                    # a temporary file this old belongs to a writer that died
+STALE_CLAIM_S = 600                    # a claim this old belongs to a task that died while computing its chunk
 
 
 class StoreError(RuntimeError):
@@ -95,10 +96,6 @@ def flat_bytes(buf):
     return buf.reshape(-1).view(np.uint8)
 
 
-def itemsize_of(buf):
-    return buf.element_size() if isinstance(buf, torch.Tensor) else buf.itemsize
-
-
 # -----------------------------------------------------------------------------
 # the store
 
@@ -133,10 +130,10 @@ class KVStore:
             for k, v in n.items():
                 self.stats[k] += v
 
-    def path(self, key):
+    def path(self, key, suffix=".kv"):
         if not re.fullmatch(r"[0-9a-f]{64}", key):  # a key is a file name: nothing else may reach the directory
             raise ValueError(f"not a store key: {key!r}")
-        return os.path.join(self.root, key + ".kv")
+        return os.path.join(self.root, key + suffix)
 
     def lookup(self, keys):
         """How many keys, from the first, have an entry: the longest stored prefix (not yet validated: read() is)."""
@@ -159,17 +156,16 @@ class KVStore:
             self._count(misses=1)
             return 0
         try:
-            try:
-                n = self._read_entry(fd, key, buffers)
-            except Rejected as e:
-                self.last_rejection = f"{path}: {e}"  # for the caller's log
-                self._count(misses=1, rejected=1)
-                self._discard(path, fd)
-                return 0
+            n = self._read_entry(fd, key, buffers)
             try:
                 os.utime(fd)  # last use = now: eviction is least recently used first
             except OSError:
                 pass  # a read-only store still serves reads; it just cannot record their order
+        except Rejected as e:
+            self.last_rejection = f"{path}: {e}"  # for the caller's log
+            self._count(misses=1, rejected=1)
+            self._discard(path, fd)
+            return 0
         finally:
             os.close(fd)
         self._count(bytes_read=n, reused=1)
@@ -179,14 +175,14 @@ class KVStore:
         flats = [flat_bytes(b) for b in buffers]
         head = self._pread(fd, HEADER.size, 0)
         magic, code, itemsize, n_layers, chunk_bytes, stored_key = HEADER.unpack(head)
-        if magic != MAGIC or n_layers > MAX_LAYERS:
+        if magic != MAGIC or n_layers > 1 << 16:  # a sanity bound before the layer count sizes a read
             raise Rejected("not an entry of this store")
         table = self._pread(fd, n_layers * LAYER.size + HCRC.size, HEADER.size)
         if zlib.crc32(head + table[:-HCRC.size]) != HCRC.unpack(table[-HCRC.size:])[0]:
             raise Rejected("its header fails its checksum")
         if stored_key != bytes.fromhex(key) or code >= len(COMPRESSIONS):
             raise Rejected("it holds another key, or an unknown compression")
-        if n_layers != len(flats) or any(f.nbytes != chunk_bytes for f in flats) or itemsize != itemsize_of(buffers[0]):
+        if n_layers != len(flats) or any(f.nbytes != chunk_bytes for f in flats) or itemsize != buffers[0].itemsize:
             raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, {itemsize} per element: "
                            "the run fingerprint misses a setting")
         off = HEADER.size + len(table)
@@ -203,8 +199,6 @@ class KVStore:
             if code == 1:
                 import zstandard
                 planes = zstandard.ZstdDecompressor().decompress(stored, max_output_size=chunk_bytes)
-                if len(planes) != chunk_bytes:
-                    raise Rejected(f"layer {l} decompresses to {len(planes)} bytes")
                 join_planes(planes, itemsize, dst)
             off += length
         return off
@@ -234,14 +228,13 @@ class KVStore:
         if os.path.exists(path):
             return 0
         flats = [flat_bytes(c) for c in chunks]
-        itemsize, chunk_bytes = itemsize_of(chunks[0]), flats[0].nbytes
+        itemsize, chunk_bytes = chunks[0].itemsize, flats[0].nbytes
         if any(f.nbytes != chunk_bytes for f in flats):
             raise ValueError("every layer's chunk must have the same size")
         code = COMPRESSIONS.index(self.compress)
         if code == 1:
-            import zstandard
-            zc = zstandard.ZstdCompressor(level=1)  # one per call: a compressor object is not thread-safe
-            blobs = [zc.compress(split_planes(f, itemsize)) for f in flats]
+            import zstandard  # a compressor per call: one object is not thread-safe
+            blobs = [zstandard.ZstdCompressor(level=1).compress(split_planes(f, itemsize)) for f in flats]
         else:
             blobs = flats
         head = HEADER.pack(MAGIC, code, itemsize, len(blobs), chunk_bytes, bytes.fromhex(key))
@@ -299,28 +292,54 @@ class KVStore:
             if total <= budget:
                 break
             remove_quietly(self.path(key))
-            total -= n
-            removed += 1
+            total, removed = total - n, removed + 1
         self._count(evicted=removed)
         return removed
 
     def clear(self):
-        """Remove every entry and temporary file (files of no other kind are left alone). Returns entries removed."""
+        """Remove every entry, temporary file and claim (no other file). Returns the number of entries removed."""
         self._sweep_temporaries(0)
-        entries = self.entries()
-        for key, _, _ in entries:
-            remove_quietly(self.path(key))
-        return len(entries)
+        return self.evict_to_budget(0)
 
     def _sweep_temporaries(self, older_than_s):
         now = time.time()
         for name in os.listdir(self.root):
             p = os.path.join(self.root, name)
-            try:
-                if name.startswith(TEMP_PREFIX) and now - os.stat(p).st_mtime >= older_than_s:
+            try:  # temporary files and claims, at least older_than_s old
+                if (name.startswith(TEMP_PREFIX) or CLAIM.match(name)) and now - os.stat(p).st_mtime >= older_than_s:
                     os.unlink(p)
             except FileNotFoundError:
                 pass
+
+    # ---- claims: tasks that start together compute a shared chunk once ---------------------------------
+
+    def claim(self, key):
+        """Announce that this process computes key's chunk. True: go ahead (write, then release). False: another
+        task is computing it: wait_for() it, or compute it anyway. Either way the store stays whole (atomic entries,
+        and every writer of a key writes the same bytes); a race on a stale claim at worst computes a chunk twice."""
+        p = self.path(key, ".claim")
+        try:
+            if time.time() - os.stat(p).st_mtime >= STALE_CLAIM_S:
+                os.unlink(p)  # its task died while computing, or gave up without release()
+        except FileNotFoundError:
+            pass
+        try:
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            return True
+        except FileExistsError:
+            return False
+
+    def release(self, key):
+        """Drop this process's claim on key: after write(), or on failure so that waiters stop waiting."""
+        remove_quietly(self.path(key, ".claim"))
+
+    def wait_for(self, key, timeout_s, poll_s=0.05):
+        """Wait while another task claims key and its entry is absent. True if the entry is there now; False on
+        timeout or when the claim went away without an entry (then compute the chunk yourself)."""
+        entry, claim, deadline = self.path(key), self.path(key, ".claim"), time.monotonic() + timeout_s
+        while not os.path.exists(entry) and os.path.exists(claim) and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        return os.path.exists(entry)
 
 
 def write_all(fd, data):

@@ -3,17 +3,20 @@ The persistent KV store: keys that change with any earlier token or setting, ent
 never a torn or corrupt entry served (several processes at once), LRU eviction, permissions, the command line,
 and the premise of it all: a prefix adopted from the store gives the same logits as recomputing it.
 """
+import errno
 import multiprocessing
 import os
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
+import kvstore
 from generate import prefill
 from kvstore import HEADER, KVStore, StoreError, chunk_keys, run_fingerprint
 from model import Transformer
@@ -49,8 +52,9 @@ def test_chunk_keys_chain_every_earlier_token_and_the_run_fingerprint():
         assert other[:j] == base[:j] and all(a != b for a, b in zip(other[j:], base[j:])), p
     for fp, c in (("fp2", C), ("fp", 4), ("fp", 10)):     # another model, dtype or chunk size never matches
         assert not set(chunk_keys(fp, ids, c)) & set(base), (fp, c)
-    assert run_fingerprint(model="m", dtype="bf16", chunk_size=8) == run_fingerprint(chunk_size=8, dtype="bf16", model="m")
-    assert run_fingerprint(model="m", dtype="bf16", chunk_size=8) != run_fingerprint(model="m", dtype="fp16", chunk_size=8)
+    fp = run_fingerprint(model="m", dtype="bf16", chunk_size=8)
+    assert fp == run_fingerprint(chunk_size=8, dtype="bf16", model="m")  # the order of the fields does not matter
+    assert fp != run_fingerprint(model="m", dtype="fp16", chunk_size=8)
 
 
 # -----------------------------------------------------------------------------
@@ -121,6 +125,21 @@ def test_damaged_entry_is_a_miss_and_is_removed(tmp_path, compress, damage):
     assert store.read(k[0], out) and all(torch.equal(a, b) for a, b in zip(out, kv))
 
 
+def test_full_disk_skips_the_entry_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    store, k = KVStore(tmp_path / "s"), keys()
+
+    def disk_full(fd, data):
+        os.write(fd, b"half an entry")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(kvstore, "write_all", disk_full)
+    assert store.write(k[0], chunks()) == 0 and store.stats["write_failures"] == 1  # the run goes on without it
+    assert os.listdir(tmp_path / "s") == []
+    monkeypatch.setattr(kvstore, "write_all", lambda fd, data: os.close(-1))  # EBADF: a bug, not a full disk
+    with pytest.raises(OSError):
+        store.write(k[0], chunks())
+    assert os.listdir(tmp_path / "s") == []
+
+
 def test_rejected_entry_replaced_meanwhile_is_kept(tmp_path):
     """A reader that found a bad entry must not delete the good one a writer renamed over it since."""
     store, k, kv = KVStore(tmp_path / "s"), keys(), chunks()
@@ -179,6 +198,34 @@ def test_concurrent_writers_and_readers_never_see_a_torn_entry(tmp_path):
         got = [np.empty((2, 1, 4, 128, 64), np.float16) for _ in range(2)]
         assert store.read(key, got) == 0 or all(np.array_equal(a, b) for a, b in zip(got, payload(i)))
     assert store.stats["rejected"] == 0
+
+
+def test_claims_let_a_task_wait_for_a_chunk_another_computes(tmp_path):
+    store, k, kv = KVStore(tmp_path / "s"), keys(), chunks()
+    assert store.claim(k[0]) and not store.claim(k[0])   # the second task learns someone computes chunk 0
+    t = time.monotonic()
+    assert not store.wait_for(k[0], timeout_s=0.3) and time.monotonic() - t >= 0.3  # waited, then gave up
+
+    def computer():  # the first task: compute, store, release
+        time.sleep(0.3)
+        store.write(k[0], kv)
+        store.release(k[0])
+    worker = threading.Thread(target=computer)
+    worker.start()
+    assert store.wait_for(k[0], timeout_s=30)            # the entry appeared: adopt it instead of computing
+    worker.join()
+    out = [torch.empty_like(c) for c in kv]
+    assert store.read(k[0], out) and all(torch.equal(a, b) for a, b in zip(out, kv))
+
+    assert store.claim(k[1])
+    store.release(k[1])                                   # the computer failed: a waiter stops at once, empty-handed
+    t = time.monotonic()
+    assert not store.wait_for(k[1], timeout_s=30) and time.monotonic() - t < 5
+    assert store.claim(k[2])
+    os.utime(store.path(k[2], ".claim"), (time.time() - 3600, time.time() - 3600))
+    assert store.claim(k[2])                              # a claim its dead owner never released is taken over
+    store.clear()
+    assert os.listdir(tmp_path / "s") == []
 
 
 # -----------------------------------------------------------------------------
