@@ -17,8 +17,8 @@ One entry (little-endian):
     header   magic b"KVS1", compression u8 (0 raw, 1 zstd), itemsize u8, n_layers u32, chunk_bytes u64, key 32 bytes
     table    n_layers x (stored length u64, CRC32 u32 of the stored blob)
     hcrc     CRC32 u32 of header and table
-    payload  the blob of layer 0, layer 1, ...: a chunk [2, B, G, C, D] as raw bytes, or zstd of its byte planes
-             (disk.split_planes: the same format as the disk tier's --compress zstd)
+    payload  the blob of layer 0, layer 1, ..., each starting on a 4 KiB boundary (zero padding): a chunk
+             [2, B, G, C, D] as raw bytes, or zstd of its byte planes (disk.split_planes, as --compress zstd)
 
 Concurrency (several processes, one store): a write goes to a private temporary file, is fsynced and renamed into
 place, so a reader sees no entry, an older entry or the new one, never part of one; two writers of one key write the
@@ -42,7 +42,7 @@ import zlib
 import numpy as np
 import torch
 
-from disk import DISK_FULL, as_bytes, join_planes, retry, split_planes
+from disk import ALIGN, DISK_FULL, as_bytes, join_planes, retry, round_up, split_planes
 
 MAGIC = b"KVS1"
 HEADER = struct.Struct("<4sBBIQ32s")  # magic, compression, itemsize, n_layers, chunk_bytes, key
@@ -115,8 +115,6 @@ class KVStore:
             st = os.stat(root)
         except OSError as e:
             raise StoreError(f"{root}: cannot use it as the KV store ({e.strerror})") from None
-        if not os.path.isdir(root):
-            raise StoreError(f"{root} is not a directory; give the KV store a directory of its own")
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
             raise StoreError(f"{root} is open to other users (mode {st.st_mode & 0o777:o}, owner {st.st_uid}); "
                              "chmod 700 a directory of your own, or choose another")
@@ -185,7 +183,7 @@ class KVStore:
         if n_layers != len(flats) or any(f.nbytes != chunk_bytes for f in flats) or itemsize != buffers[0].itemsize:
             raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, {itemsize} per element: "
                            "the run fingerprint misses a setting")
-        off = HEADER.size + len(table)
+        off = round_up(HEADER.size + len(table), ALIGN)
         for l, dst in enumerate(flats):
             length, crc = LAYER.unpack_from(table, l * LAYER.size)
             if code == 0:  # raw: read straight into the caller's buffer, then check it
@@ -200,8 +198,8 @@ class KVStore:
                 import zstandard
                 planes = zstandard.ZstdDecompressor().decompress(stored, max_output_size=chunk_bytes)
                 join_planes(planes, itemsize, dst)
-            off += length
-        return off
+            end, off = off + length, round_up(off + length, ALIGN)
+        return end
 
     @staticmethod
     def _pread(fd, n, off):
@@ -244,7 +242,9 @@ class KVStore:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                n = sum(write_all(fd, b) for b in (head, *blobs))
+                n = 0
+                for b in (head, *blobs):  # each blob starts on a page, so that a raw layer could be mapped in place
+                    n += write_all(fd, bytes(round_up(n, ALIGN) - n)) + write_all(fd, b)
                 os.fsync(fd)  # the data is on disk before the name is: a crash never leaves a torn entry
             finally:
                 os.close(fd)

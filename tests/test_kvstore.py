@@ -18,6 +18,7 @@ import torch
 
 import kvstore
 from generate import prefill
+from disk import ALIGN
 from kvstore import HEADER, KVStore, StoreError, chunk_keys, run_fingerprint
 from model import Transformer
 from offload import OffloadConfig
@@ -74,6 +75,9 @@ def test_round_trip(tmp_path, compress, dtype):
     as_np = [np.zeros(SHAPE, np.uint16 if dtype == torch.bfloat16 else np.float32) for _ in kv]  # bytes are bytes
     assert store.read(k[0], as_np) == n
     assert all(np.array_equal(a.view(np.uint8), t.view(torch.uint8).numpy()) for a, t in zip(as_np, kv))
+    if compress == "none":  # each layer starts on a page (every layer here fits in one): mappable in place
+        data = open(store.path(k[0]), "rb").read()
+        assert all(data[ALIGN * (l + 1):][:t.nbytes] == t.view(torch.uint8).numpy().tobytes() for l, t in enumerate(kv))
     assert store.read(k[1], out) == 0 and store.lookup(k) == 1
     assert store.stats == {"bytes_read": 2 * n, "bytes_written": n, "reused": 2, "stored": 1, "misses": 1,
                            "rejected": 0, "evicted": 0, "write_failures": 0}
