@@ -5,6 +5,7 @@ same checkpoint, beside a prediction made from this machine's own measured costs
     python bench.py --ckpt DIR --contexts 1024,4096,8192 --modes none,cpu,disk,disk+zstd --vs-hf --json out.json
     python bench.py --random-model 7b-like --layers 4 --dtype bf16 --contexts 4096,16384 --modes none,disk
     python bench.py --probe --offload-dir /mnt/nvme/kv    # what this machine can move, and what offload will cost
+    python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question about a document: cold vs warm TTFT
     bash scripts/gpu_check.sh OUT_DIR                     # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
 All runs happen in one process, interleaved (for each repeat: for each context: for each mode, the order reversed
@@ -190,6 +191,33 @@ def run_matrix(model, hf, args, contexts, modes):
     return runs, ids_out, median_of(cals)
 
 
+def run_reuse(model, args, contexts):
+    """Time to first token of a second question about the same document through --kv-store, against the first
+    (cold: nothing stored yet): [a row per context], medians of --repeats, each repeat on an empty store."""
+    from kvstore import KVStore
+    rows, g = [], torch.Generator().manual_seed(1)
+    for ctx in contexts:
+        doc = torch.randint(3, model.args.vocab_size, (ctx,), generator=g).tolist()
+        asks = [torch.randint(3, model.args.vocab_size, (32,), generator=g).tolist() for _ in range(2)]
+        cold, warm = [], []
+        for rep in range(args.repeats):
+            store = KVStore(os.path.join(args.kv_store, f"bench-{os.getpid()}-{ctx}-{rep}"))
+            for ask, out in zip(asks, (cold, warm)):
+                cfg = OffloadConfig(mode=MODE_SPECS[args.reuse_mode][0], compress=MODE_SPECS[args.reuse_mode][1],
+                                    window=args.window, offload_dir=args.offload_dir)
+                _, st = run_task(model, doc + ask, 2, chunk_size=args.chunk_size, cfg=cfg, kv_store=store,
+                                 fingerprint=f"bench-{ctx}", task_id=f"bench_{os.getpid()}_reuse")
+                out.append(st)
+            store.clear()
+            os.rmdir(store.root)
+        med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+        rows.append({"context": ctx + 32, "mode": args.reuse_mode, "cold_ttft_s": med(cold, "ttft_s"),
+                     "warm_ttft_s": med(warm, "ttft_s"), "speedup": med(cold, "ttft_s") / med(warm, "ttft_s"),
+                     "reused_tokens": warm[-1]["reused_tokens"], "reused_fraction": warm[-1]["reused_tokens"] / (ctx + 32),
+                     "stored_tokens": cold[-1]["stored_tokens"], "store_bytes_read": warm[-1]["store_bytes_read"]})
+    return rows
+
+
 # -----------------------------------------------------------------------------
 # report
 
@@ -271,6 +299,8 @@ def build_parser():
     p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
     p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
+    p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the offload mode "
+                   "of the cold and warm runs (default none)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
 
     def one_line_error(message):
@@ -342,6 +372,14 @@ def main(argv=None):
             report = {"machine": machine, "config": config, "calibration": cal,
                       "verdict": probe.verdict(cal, args, margs, contexts, modes, cuda),
                       "predicted": {c: {m: predict_decode(cal, c, m, args, margs, cuda) for m in modes} for c in contexts}}
+        elif args.kv_store:
+            rows = run_reuse(model, args, contexts)
+            print("| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens | store read MiB |\n"
+                  "|---|---|---|---|---|---|---|\n" + "\n".join(
+                      f"| {r['context']} | {r['mode']} | {r['cold_ttft_s']:.3f} | {r['warm_ttft_s']:.3f} | "
+                      f"{r['speedup']:.1f}x | {r['reused_tokens']} ({r['reused_fraction']:.0%}) | "
+                      f"{r['store_bytes_read'] / 2**20:.1f} |" for r in rows))
+            report = {"machine": machine, "config": config, "reuse": rows}
         else:
             runs, ids_out, cal = run_matrix(model, hf, args, contexts, modes)
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]

@@ -17,6 +17,7 @@ import torch
 
 from batch import run_batch
 from generate import Sampling
+from kvstore import KVStore, StoreError
 from model import CheckpointError, ModelArgs, Transformer, read_json
 from monitor import Monitor
 from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
@@ -59,6 +60,10 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
                    "avoids OpenMP threads stalling while another process holds a core)")
+    p.add_argument("--kv-store", metavar="DIR", help="a persistent prompt cache: reuse the KV of a prompt's stored "
+                   "full chunks (a document asked again), store the ones computed; output stays bit-identical")
+    p.add_argument("--kv-store-budget", type=float, metavar="GIB", help="with --kv-store: evict least recently "
+                   "used entries to stay under this size (default: no limit)")
 
 
 def check_common(args, needs_disk):
@@ -71,12 +76,24 @@ def check_common(args, needs_disk):
         (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
+        (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
+         "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
     if needs_disk:
         args.created_offload_dir = check_writable_dir(args.offload_dir)
+
+
+def open_kv_store(args):
+    """The --kv-store DIR as a kvstore.KVStore (None without the flag); a bad directory is a UsageError."""
+    if not args.kv_store:
+        return None
+    try:
+        return KVStore(args.kv_store, budget_gib=args.kv_store_budget)
+    except StoreError as e:
+        raise UsageError(f"--kv-store {e}") from None
 
 
 def check_writable_dir(path):
@@ -255,6 +272,7 @@ def main(argv=None):
             plan_lengths(args, len(encode(tokenizer, {"prompt": text}, args)), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
+        kv_store = open_kv_store(args)
         monitor = Monitor(args.trace)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
         fingerprint = model_fingerprint(args.ckpt)
@@ -272,7 +290,7 @@ def main(argv=None):
         new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg, sampling=sampling,
                               eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
                               on_step=lambda phase, logits, cache: step(task["id"], phase, cache, len(ids), progress),
-                              fingerprint=fingerprint, log=monitor.log)
+                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store)
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,

@@ -333,6 +333,20 @@ class TieredStore:
         self.disk_prefix = n
         return n
 
+    def read_back(self, l, j, dst):
+        """Copy sealed chunk (l, j) into the host tensor dst, wherever it lives, and wait for it: the persistent KV
+        store (kvstore.py) keeps prompt chunks this way. Synchronous, and never part of attention's schedule."""
+        where = self.loc[(l, j)]
+        if where is DEVICE:
+            dst.copy_(self.resident[(l, j)])  # to pageable memory: the copy waits for the compute that wrote it
+        elif where is DISK:
+            self.written[(l, j)].result()     # the write has landed (or raises its DiskError)
+            self.disk.read_into(l, j, dst)
+        else:
+            if self.cuda:
+                self.evicted[(l, j)].synchronize()  # rule 4: the eviction into the host slot has finished
+            as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
+
     def _event(self, stream):
         e = torch.cuda.Event()
         e.record(stream)

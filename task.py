@@ -4,6 +4,7 @@ cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks t
 they print is measured the same way.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -31,14 +32,16 @@ def resume_point(manifest, task, chunk_size):
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None):
+             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
 
     cfg is an OffloadConfig. on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
     forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
     fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
     manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
-    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from."""
+    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from.
+    kv_store (a kvstore.KVStore): adopt the longest stored prefix of this prompt's full chunks, and store the
+    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache)."""
     device = model.tok_embeddings.weight.device
     taskdir = TaskDir(cfg.offload_dir, task_id) if cfg.mode == "disk" else None
     task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
@@ -67,8 +70,19 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                     log(f"task {task_id}: chunk {restored} is missing or fails its checksum; recomputing from there")
                 cache.length = restored * chunk_size
             resumed_from = cache.length
+            prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model) if kv_store else None
+            if prompt_cache:
+                prompt_cache.adopt(cache)
+
+            def step(phase, logits, cache):
+                if prompt_cache and phase == "prefill":
+                    prompt_cache.store_sealed(cache)
+                if on_step:
+                    on_step(phase, logits, cache)
             new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                                        out=out, on_token=on_token, on_step=on_step, stream=stream)
+                                        out=out, on_token=on_token, on_step=step, stream=stream)
+            if prompt_cache:
+                stats.update(prompt_cache.finish())
         ok = True
     finally:
         if cache is not None:
@@ -130,3 +144,63 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
         "io": {k: io_end[k] - io_start[k] for k in io_end},
         "chunks": snap["chunks"],
     }
+
+
+class PromptCache:
+    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j, positions
+    [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose result depends only on
+    the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit for bit what recomputing it gives.
+    Chunks filled one generated token at a time (a second turn of a dialogue) are never stored."""
+
+    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
+        import kvstore
+        a, s = model.args, cache.store
+        run = kvstore.run_fingerprint(model=fingerprint, dtype=str(s.dtype), device=str(s.device), chunk=s.shape,
+                                      n_layers=a.n_layers, torch=torch.__version__)
+        self.kv, self.store, self.keys = kv_store, s, kvstore.chunk_keys(run, prompt_ids, cache.chunk_size)
+        self.P, self.adopted, self.stored, self.pending = len(prompt_ids), 0, [], None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")  # fsyncs stay off the critical path
+        self.bytes_read = 0
+
+    def adopt(self, cache):
+        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks and seal them,
+        so they land where this run's --offload and --window put any chunk. At least one prompt token is left
+        to compute: its logits start the decoding."""
+        C, s = cache.chunk_size, self.store
+        n = min(self.kv.lookup(self.keys), (self.P - 1) // C)
+        while cache.n_sealed < n:
+            j = cache.n_sealed
+            host = [s.open_chunk(l) if not s.cuda else torch.empty(s.shape, dtype=s.dtype) for l in range(s.n_layers)]
+            got = self.kv.read(self.keys[j], host)
+            if not got:  # evicted or corrupt since lookup: compute from here on
+                break
+            self.bytes_read += got
+            if s.cuda:
+                for l in range(s.n_layers):
+                    s.open_chunk(l).copy_(host[l])
+            cache.begin(C)
+            cache.commit()
+            s.seal(j)                                 # data: as after a prefill step, the window policy places it
+        self.adopted = cache.n_sealed
+
+    def store_sealed(self, cache):
+        """After a prefill step: a prompt chunk this run computed and has just sealed is stored, once the previous
+        store write has finished (one in flight: at most one chunk of host copies waits)."""
+        j = cache.n_sealed - 1
+        if cache.length % cache.chunk_size or j < self.adopted or j >= len(self.keys):
+            return
+        host = [torch.empty(self.store.shape, dtype=self.store.dtype) for _ in range(self.store.n_layers)]
+        for l, dst in enumerate(host):
+            self.store.read_back(l, j, dst)
+        if self.pending is not None:
+            self.stored.append(self.pending.result())
+        self.pending = self.writer.submit(self.kv.write, self.keys[j], host)
+
+    def finish(self):
+        """Wait for the last store write; the task's reuse statistics."""
+        if self.pending is not None:
+            self.stored.append(self.pending.result())
+        self.writer.shutdown(wait=True)
+        C = self.store.chunk_size
+        return {"reused_tokens": self.adopted * C, "stored_tokens": sum(n > 0 for n in self.stored) * C,
+                "store_bytes_read": self.bytes_read, "store_bytes_written": sum(self.stored)}

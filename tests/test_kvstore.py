@@ -6,6 +6,7 @@ and the premise of it all: a prefix adopted from the store gives the same logits
 import errno
 import multiprocessing
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -17,12 +18,11 @@ import pytest
 import torch
 
 import kvstore
-from generate import prefill
 from disk import ALIGN
 from kvstore import HEADER, KVStore, StoreError, chunk_keys, run_fingerprint
 from model import Transformer
 from offload import OffloadConfig
-from task import make_cache
+from task import run_task
 from taskdir import model_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -308,47 +308,69 @@ def test_cli_bad_usage_is_one_sentence_and_exit_2(tmp_path, args):
 
 
 # -----------------------------------------------------------------------------
-# the premise: an adopted prefix is the same as a recomputed one
+# through the loop: a second question about a document adopts its chunks, bit-identically, in every tier
 
-def adopt(cache, j, layer_chunks):
-    """Place stored chunk j of every layer as a sealed, resident chunk (--offload none keeps every chunk on the
-    device). A stand-in for the loop's own adoption, which belongs to offload.py."""
-    for l, kv in enumerate(layer_chunks):
-        cache.store.resident[(l, j)] = kv
-        cache.store.where[(l, j)] = "device"
+def doc_and_questions(vocab, n_doc=45, n_ask=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    doc = torch.randint(3, vocab, (n_doc,), generator=g).tolist()
+    return doc, [torch.randint(3, vocab, (n_ask,), generator=g).tolist() for _ in range(2)]
 
 
-@pytest.mark.parametrize("compress", ["none", "zstd"])
-def test_prefix_adopted_from_the_store_gives_identical_logits(llama_ckpt, tmp_path, compress):
-    model, C = Transformer.from_pretrained(llama_ckpt), 8
-    L, G, D = model.args.n_layers, model.args.n_kv_heads, model.args.head_dim
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(3, 128, (1, 45), generator=g)
-    b = torch.cat([a[:, :27], torch.randint(3, 128, (1, 20), generator=g)], dim=1)  # shares 3 full chunks with a
-    fp = run_fingerprint(model=model_fingerprint(llama_ckpt), dtype="fp32", chunk_size=C, device="cpu",
-                         torch=torch.__version__, kv=(1, G, D))
-    store = KVStore(tmp_path / "s", compress=compress)
+def ask(model, ids, cfg, store=None, fingerprint=None, new=6, C=8):
+    steps = []
+    out, stats = run_task(model, ids, new, chunk_size=C, cfg=cfg, kv_store=store, fingerprint=fingerprint,
+                          on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
+    return out, dict(steps), stats
 
-    first = make_cache(model, OffloadConfig(), C, a.shape[1])  # task A: prefill, then store its full chunks
-    prefill(model, first, a)
-    for j, key in enumerate(chunk_keys(fp, a[0].tolist(), C)):
-        assert store.write(key, [first.store.resident[(l, j)] for l in range(L)]) > 0
 
-    ref = make_cache(model, OffloadConfig(), C, b.shape[1])    # task B recomputed from scratch
-    want = prefill(model, ref, b)
+@pytest.mark.parametrize("mode,compress", [("none", "none"), ("cpu", "none"), ("disk", "none"), ("disk", "zstd")])
+def test_second_question_reuses_the_document_bit_identically(llama_ckpt, tmp_path, mode, compress):
+    model = Transformer.from_pretrained(llama_ckpt)
+    doc, (q1, q2) = doc_and_questions(model.args.vocab_size)
+    cfg = OffloadConfig(mode=mode, compress=compress, window=1, offload_dir=str(tmp_path / "off"))
+    store, fp = KVStore(tmp_path / "s"), model_fingerprint(llama_ckpt)
+    cold_ids, cold_steps, _ = ask(model, doc + q2, cfg)                    # no store at all: the reference
+    _, _, first = ask(model, doc + q1, cfg, store, fp)                      # stores the full chunks of doc + q1
+    assert first["reused_tokens"] == 0 and first["stored_tokens"] == (len(doc) + len(q1)) // 8 * 8
+    warm_ids, warm_steps, warm = ask(model, doc + q2, cfg, store, fp)
+    assert warm["reused_tokens"] == len(doc) // 8 * 8 and warm["store_bytes_read"] > 0  # the chunks inside doc
+    assert warm_ids == cold_ids
+    assert min(warm_steps) > warm["reused_tokens"], "an adopted chunk was computed again"
+    for pos, logits in warm_steps.items():
+        assert torch.equal(logits, cold_steps[pos]), pos
 
-    ks = chunk_keys(fp, b[0].tolist(), C)
-    n = min(store.lookup(ks), (b.shape[1] - 1) // C)           # keep >= 1 prompt token: its logits start decoding
-    assert n == 3
-    cache = make_cache(model, OffloadConfig(), C, b.shape[1])  # task B adopting what the store has
-    for j in range(n):
-        bufs = [torch.empty((2, 1, G, C, D)) for _ in range(L)]
-        assert store.read(ks[j], bufs) > 0
-        adopt(cache, j, bufs)
-    cache.length = n * C
-    got = prefill(model, cache, b[:, n * C:])
-    assert torch.equal(got, want)
-    for l in range(L):
-        for j in range(b.shape[1] // C):
-            assert torch.equal(cache.store.resident[(l, j)], ref.store.resident[(l, j)]), (l, j)
-    assert store.stats["reused"] == n
+
+def test_other_weights_with_the_same_shapes_reuse_nothing(llama_ckpt, tmp_path):
+    """A fine-tune of the same shapes (here layer 0's v_proj scaled by 1.5) never matches the original's entries."""
+    from safetensors.torch import load_file, save_file
+    other = tmp_path / "other"
+    shutil.copytree(llama_ckpt, other)
+    tensors = load_file(other / "model.safetensors")
+    tensors["model.layers.0.self_attn.v_proj.weight"] *= 1.5
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    a, b = Transformer.from_pretrained(llama_ckpt), Transformer.from_pretrained(str(other))
+    doc, (q1, _) = doc_and_questions(a.args.vocab_size)
+    store, cfg = KVStore(tmp_path / "s"), OffloadConfig()
+    ask(a, doc + q1, cfg, store, model_fingerprint(llama_ckpt))
+    ids_b, _, st = ask(b, doc + q1, cfg, store, model_fingerprint(str(other)))
+    assert st["reused_tokens"] == 0
+    assert ids_b == ask(b, doc + q1, cfg)[0]
+
+
+def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, capsys):
+    import json
+    import cli
+    doc = " ".join(["The with statement wraps a block with methods defined by a context manager."] * 6)
+    common = ["--ckpt", text_ckpt, "--chunk-size", 16, "--kv-store", tmp_path / "s", "--max-new-tokens", 4]
+    runs = []
+    for q in ("What is it?", "Why?"):
+        capsys.readouterr()
+        assert cli.main([str(a) for a in common + ["--prompt", doc + q, "--json"]]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["stats"]["reused_tokens"] == 0 and runs[1]["stats"]["reused_tokens"] >= 16 * 3
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": i, "prompt": doc + q}) + "\n" for i, q in enumerate(["A?", "B?"])))
+    out = tmp_path / "results.jsonl"
+    assert cli.main([str(a) for a in common + ["--prompts", tasks, "--output", out]]) == 0
+    stats = [json.loads(line)["stats"] for line in out.read_text().splitlines()]
+    assert all(s["reused_tokens"] >= 16 * 3 for s in stats), stats  # the document was computed once, long ago
