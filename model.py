@@ -6,8 +6,9 @@ Shape legend, used the same way in every file of this project:
     R = H // G query heads per kv head, D head dim, E model dim, F mlp dim, V vocab, C chunk size.
 
 `model(tokens)` runs plain causal attention (masked to each layer's sliding window, if it has one): the reference
-every cached and offloaded path is checked against. RoPE frequencies, YaRN and overrides live in rope.py. `model(tokens, cache)` hands each layer's q, k, v to the cache (kvcache.py), which stores k, v and
-returns the attention output; the model itself knows nothing of chunks, tiers or transfers.
+every cached and offloaded path is checked against. `model(tokens, cache)` hands each layer's q, k, v to the cache
+(kvcache.py), which stores k, v and returns the attention output; the model itself knows nothing of chunks, tiers
+or transfers. RoPE frequencies (plain, linear, llama3, YaRN) and stretching them past the trained context: rope.py.
 """
 import dataclasses
 import json
@@ -172,8 +173,8 @@ def _sliding_window(cfg, arch, path):
                                       f"of the {n_layers} layers, not {layer_types}")
             sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
             if sliding and window is None:  # transformers raises on the first forward call
-                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but use_sliding_window is false "
-                                      "or sliding_window is null; set both, or mark every layer full_attention")
+                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but use_sliding_window is "
+                                      "false or sliding_window is null; set both, or mark every layer full_attention")
         else:
             sliding = tuple(range(cfg.get("max_window_layers", 28), n_layers))
         window = window if sliding else None
@@ -289,7 +290,7 @@ class Transformer(nn.Module):
         freqs = torch.outer(pos, self.inv_freq)                   # [T, D/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
         x = self.tok_embeddings(tokens)                           # [B, T, E]
-        a = self.attention_factor                                 # YaRN's scale (1.0 otherwise), in fp32 as transformers
+        a = self.attention_factor                                 # YaRN's scale (else 1.0), in fp32 as transformers
         cos, sin = (emb.cos() * a).to(x.dtype), (emb.sin() * a).to(x.dtype)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)

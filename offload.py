@@ -125,7 +125,7 @@ class TieredStore:
         self.queue, self.inflight = deque(), deque()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="kv-offload") if cfg.mode != "none" else None
         self.lock = threading.Lock()
-        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "window_skipped": 0}  # skipped: not read
         self.peak_device_bytes = 0
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -146,13 +146,19 @@ class TieredStore:
 
     # ---- verbs of a step -------------------------------------------------------------------------------
 
-    def prefetch(self, n_sealed):
+    def prefetch(self, n_sealed, first=None):
         """Queue every chunk of this step that must be staged, in attention's order: all chunks of layer 0,
-        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended."""
+        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended.
+        first[l]: layer l's first chunk inside its sliding window; those before it are skipped, never read."""
         while self.inflight:  # a step that failed half-way left copies in flight: let them land first
             self.inflight.popleft()[3].result()
         self.slot_free = list(range(len(self.slots) - 1, -1, -1))
-        order = [(l, j) for l in range(self.n_layers) for j in range(n_sealed) if self.where[(l, j)] != "device"]
+        first = first or [0] * self.n_layers
+        order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
+                 if self.where[(l, j)] != "device"]
+        skipped = sum(self.where[(l, j)] != "device" for l in range(self.n_layers)
+                      for j in range(min(first[l], n_sealed)))
+        self._count("window_skipped", skipped * self.chunk_bytes)
         if self.staged:
             self.queue = deque(order)
             self._pump()

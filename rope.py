@@ -38,7 +38,8 @@ def rope_inv_freq(args):
     if s.get("rope_type") == "linear":
         inv_freq = inv_freq / s["factor"]
     elif s.get("rope_type") == "llama3":
-        factor, lo, hi, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)  # long wavelengths: slow down
         smooth = (old_len / wavelen - lo) / (hi - lo)
@@ -93,7 +94,8 @@ def context_refusal(n_positions, args):
     return (f"{n_positions} positions (prompt plus new tokens) are past the model's maximum context of {limit}; "
             f"to run them anyway, stretch RoPE with --rope-scaling {{{','.join(ROPE_OVERRIDES)}}} --rope-factor F "
             f"--rope-orig-ctx N so that F x N >= {n_positions} (for example --rope-scaling yarn --rope-factor {factor} "
-            f"--rope-orig-ctx {limit}), knowing that quality past the length the model was trained on is not guaranteed")
+            f"--rope-orig-ctx {limit}), knowing that quality past the length the model was trained on "
+            "is not guaranteed")
 
 
 def rope_override_note(args, base):
