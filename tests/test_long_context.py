@@ -41,9 +41,12 @@ CASES = {
     # 5.x: layer_types wins over max_window_layers (which alone would make no layer slide)
     "qwen2-layer-types": (dict(arch="qwen2", use_sliding_window=True, sliding_window=21, max_window_layers=28,
                                layer_types=["sliding_attention", "full_attention"]), {}),
+    # Qwen2.5 style: a sliding_window is filled in, but use_sliding_window is false, so no layer slides
+    "qwen2-window-unused": (dict(arch="qwen2", max_window_layers=1),
+                            {"use_sliding_window": False, "sliding_window": 21, "layer_types": None}),
 }
 YARN_CASES = [c for c in CASES if c.startswith("yarn")]
-WINDOW_CASES = [c for c in CASES if not c.startswith("yarn")]
+WINDOW_CASES = [c for c in CASES if not c.startswith("yarn") and c != "qwen2-window-unused"]
 EXPECTED_WINDOWS = {"mistral-window": (21, 21), "qwen2-max-window-layers": (None, 21), "qwen2-layer-types": (21, None)}
 
 
@@ -157,6 +160,14 @@ def test_sliding_window_logits_match_transformers(pair, case):
         blind_diff = (blind(tokens) - want).abs().max().item()
     assert diff <= ATOL, f"{case}: max abs logit difference {diff:.3g} > {ATOL}"
     assert blind_diff > 100 * ATOL, f"{case}: the window makes no difference at {N_PROMPT} tokens"
+
+
+def test_qwen2_window_unused_without_use_sliding_window(pair):
+    ours, ref, path = pair("qwen2-window-unused")
+    assert ours.args.layer_windows == (None, None)
+    tokens = torch.tensor([prompt(N_PROMPT, ours.args.vocab_size)])
+    with torch.no_grad():
+        assert (ours(tokens) - ref(tokens).logits).abs().max().item() <= ATOL
 
 
 @pytest.mark.parametrize("chunk", [8, 16, 32])  # 32 > the window: the open chunk needs the window mask too
