@@ -4,7 +4,8 @@ What a long job is doing: process memory, a trace with one event per step, alert
     --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated" (CUDA: the allocator's; CPU: the
                            KV bytes on the device tier), "device_peak", "host_rss",
                            "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved since the task's last
-                           event, "chunks": {device, host, disk}}, plus {"alert": ...} events
+                           event (and window_skipped: offloaded bytes that sliding windows did not need to read),
+                           "chunks": {device, host, disk}}, plus {"alert": ...} events
     alerts (stderr + trace): a task running over 2x the mean time of finished tasks; host memory over 80% of the
     machine's RAM (the job is about to swap); offload configured but no chunk leaving the device once the context
     has outgrown the window (offload is not in effect).
@@ -65,7 +66,8 @@ class Monitor:
         self.durations, self.started, self.last = [], {}, {}
         self.alerted = set()
         self.totals = {"done": 0, "failed": [], "resumed": 0, "new_tokens": 0, "decode_s": 0.0, "peak_device": 0,
-                       "peak_rss": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0}}
+                       "peak_rss": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0,
+                                                    "window_skipped": 0}}
 
     def _emit(self, event):
         if self.trace:
