@@ -69,7 +69,8 @@ class ModelArgs:
     def max_context(self):
         """Longest context we run. With YaRN, factor x original_max_position_embeddings, as vLLM derives it (its
         _get_and_verify_max_len), or max_position_embeddings if that is longer: configs such as Qwen2.5's keep the
-        trained length there, others (DeepSeek-V3) the stretched one. transformers itself enforces no limit."""
+        trained length there, others (DeepSeek-V3) the stretched one. Linear and llama3 configs already state the
+        stretched length in max_position_embeddings (LongChat, Llama 3.1), so it stands. transformers enforces none."""
         s = self.rope_scaling
         if s.get("rope_type") == "yarn":
             return max(self.max_seq_len, int(s["factor"] * s["original_max_position_embeddings"]))

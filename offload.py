@@ -125,7 +125,7 @@ class TieredStore:
         self.queue, self.inflight = deque(), deque()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="kv-offload") if cfg.mode != "none" else None
         self.lock = threading.Lock()
-        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "window_skipped": 0}  # skipped: not read
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "window_skipped": 0}  # skipped: not read at all
         self.peak_device_bytes = 0
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -156,9 +156,7 @@ class TieredStore:
         first = first or [0] * self.n_layers
         order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
                  if self.where[(l, j)] != "device"]
-        skipped = sum(self.where[(l, j)] != "device" for l in range(self.n_layers)
-                      for j in range(min(first[l], n_sealed)))
-        self._count("window_skipped", skipped * self.chunk_bytes)
+        self._count("window_skipped", sum(min(f, n_sealed) for f in first) * self.chunk_bytes)  # wherever they live
         if self.staged:
             self.queue = deque(order)
             self._pump()
