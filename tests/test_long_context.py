@@ -34,6 +34,9 @@ CASES = {
     "yarn-5x": (dict(rope_parameters=YARN, max_position_embeddings=256), {}),
     "yarn-4x-type": (dict(old_style=True, rope_parameters=YARN_FACTOR, max_position_embeddings=256), {}),
     "yarn-4x-rope_type": (dict(old_style="rope_type", rope_parameters=YARN, max_position_embeddings=256), {}),
+    # a top-level original_max_position_embeddings overrides the block's in transformers (Phi-3 keeps it there)
+    "yarn-top-level-orig": (dict(rope_parameters=YARN, max_position_embeddings=256),
+                            {"original_max_position_embeddings": 16}),
     "mistral-window": (dict(arch="mistral", sliding_window=21), {}),
     # 4.x: no layer_types, so layers >= max_window_layers slide (layer 1 here, layer 0 is full)
     "qwen2-max-window-layers": (dict(arch="qwen2", use_sliding_window=True, sliding_window=21, max_window_layers=1),
@@ -112,7 +115,9 @@ def test_yarn_logits_match_transformers(pair, case):
     ours, ref, _ = pair(case)
     assert ours.args.rope_scaling["rope_type"] == ref.config.rope_parameters["rope_type"] == "yarn"
     assert ref.model.rotary_emb.attention_scaling == ours.attention_factor != 1.0
-    assert ours.args.max_context == 4 * 64 and ours.args.max_seq_len == 256
+    orig = ref.config.rope_parameters["original_max_position_embeddings"]
+    assert ours.args.rope_scaling["original_max_position_embeddings"] == orig == (16 if "top-level" in case else 64)
+    assert ours.args.max_context == 256 == ours.args.max_seq_len  # max(256, 4 x orig)
     tokens = torch.tensor([prompt(N_PROMPT, ours.args.vocab_size)])
     with torch.no_grad():
         got, want = ours(tokens), ref(tokens).logits
