@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from rope import ROPE_TYPES, override_block, rope_attention_factor, rope_inv_freq
+from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -67,20 +67,18 @@ class ModelArgs:
 
     @property
     def max_context(self):
-        """Longest context we run. With YaRN, factor x original_max_position_embeddings, as vLLM derives it (its
-        _get_and_verify_max_len), or max_position_embeddings if that is longer: configs such as Qwen2.5's keep the
-        trained length there, others (DeepSeek-V3) the stretched one. Linear and llama3 configs already state the
-        stretched length in max_position_embeddings (LongChat, Llama 3.1), so it stands. transformers enforces none."""
+        """Longest context we run (transformers enforces none). YaRN: factor x original_max_position_embeddings as
+        vLLM derives it, or max_position_embeddings if longer (Qwen2.5 keeps the trained length there, DeepSeek-V3 the
+        stretched one). Linear and llama3 configs state the stretched length there already (LongChat, Llama 3.1)."""
         s = self.rope_scaling
         if s.get("rope_type") == "yarn":
             return max(self.max_seq_len, int(s["factor"] * s["original_max_position_embeddings"]))
         return self.max_seq_len
 
     def with_rope_override(self, kind, factor, orig_ctx=None):
-        """These args as if config.json carried a `kind` rope_scaling block stretching a context of orig_ctx
+        """These args as if config.json carried a `kind` rope_scaling block (replacing its own) that stretches orig_ctx
         positions (default: max_position_embeddings) by `factor`, and max_position_embeddings = factor x orig_ctx.
-        Replaces whatever scaling config.json had. YaRN takes transformers' defaults (beta_fast 32, beta_slow 1,
-        attention factor 0.1 ln(factor) + 1); llama3 takes Llama 3.1's frequency bands (1 and 4)."""
+        YaRN takes transformers' defaults, llama3 Llama 3.1's bands (see rope.override_block)."""
         orig = self.max_seq_len if orig_ctx is None else orig_ctx
         block = override_block(kind, factor, orig)
         return dataclasses.replace(self, rope_scaling=block, max_seq_len=int(factor * orig))
@@ -110,30 +108,10 @@ class ModelArgs:
                 refuse(f"{key}={cfg[key]} means a mixture of experts")
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             refuse(f"partial_rotary_factor={cfg['partial_rotary_factor']} is not 1.0")
-        # RoPE: 5.x keeps everything in rope_parameters, 4.x has rope_theta plus an optional rope_scaling
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        if "sliding_attention" in rope or "full_attention" in rope:
-            refuse("per-layer-type rope_parameters are not supported")
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type in ("dynamic", "longrope"):
-            raise CheckpointError(
-                f"{path}: rope type {rope_type!r} is refused because transformers recomputes its frequencies from the "
-                "length of each forward call, which a chunked, cached run cannot reproduce exactly")
-        if rope_type not in ROPE_TYPES:
-            refuse(f"rope type {rope_type!r} (rope_scaling / rope_parameters) is not one of {ROPE_TYPES}")
-        rope["rope_type"] = rope_type
-        rope.pop("type", None)
-        if rope_type != "default" and not rope.get("factor"):
-            refuse(f"rope type {rope_type!r} needs a 'factor'")
-        if rope_type in ("llama3", "yarn"):  # transformers: a top-level value wins, then the block's, then max length
-            rope["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
-                                                        or rope.get("original_max_position_embeddings")
-                                                        or cfg.get("max_position_embeddings", 2048))
-        if rope_type == "llama3":
-            for key in ("low_freq_factor", "high_freq_factor"):
-                if key not in rope:
-                    refuse(f"rope type 'llama3' needs '{key}'")
+        try:
+            theta, rope = rope_from_config(cfg)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
         window, sliding_layers = _sliding_window(cfg, arch, path)
         n_heads = cfg["num_attention_heads"]
         n_kv = cfg.get("num_key_value_heads") or n_heads
@@ -145,7 +123,7 @@ class ModelArgs:
             arch=arch, dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
             head_dim=head_dim, hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg.get("max_position_embeddings", 2048),
-            rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else {},
+            rope_theta=float(theta), rope_scaling=rope,
             qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=window, sliding_layers=sliding_layers,

@@ -14,8 +14,38 @@ ROPE_OVERRIDES = ("linear", "yarn", "llama3")  # what --rope-scaling may impose 
 LLAMA3_BANDS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}  # Llama 3.1's, for a llama3 override
 
 
+def rope_from_config(cfg):
+    """(theta, rope_scaling block or {}) from a transformers config dict: 5.x keeps everything in rope_parameters,
+    4.x has rope_theta plus an optional rope_scaling ("type" or "rope_type"). ValueError for what we refuse."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "sliding_attention" in rope or "full_attention" in rope:
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    rope_type = rope.get("rope_type", rope.pop("type", "default"))  # as transformers: rope_type wins over type
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope type {rope_type!r} is refused because transformers recomputes its frequencies from "
+                         "the length of each forward call, which a chunked, cached run cannot reproduce exactly")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} (rope_scaling / rope_parameters) is not one of {ROPE_TYPES}")
+    if rope_type == "default":
+        return theta, {}
+    rope["rope_type"] = rope_type
+    if not rope.get("factor"):
+        raise ValueError(f"rope type {rope_type!r} needs a 'factor' (rope_scaling / rope_parameters)")
+    if rope_type in ("llama3", "yarn"):  # as transformers: a top-level value wins, then the block's, then max length
+        rope["original_max_position_embeddings"] = (cfg.get("original_max_position_embeddings")
+                                                    or rope.get("original_max_position_embeddings")
+                                                    or cfg.get("max_position_embeddings", 2048))
+    for key in ("low_freq_factor", "high_freq_factor") if rope_type == "llama3" else ():
+        if key not in rope:
+            raise ValueError(f"rope type 'llama3' needs '{key}' (rope_scaling / rope_parameters)")
+    return theta, rope
+
+
 def override_block(kind, factor, orig):
-    """The rope_scaling block equivalent to --rope-scaling kind --rope-factor factor --rope-orig-ctx orig."""
+    """The rope_scaling block equivalent to --rope-scaling kind --rope-factor factor --rope-orig-ctx orig. YaRN keeps
+    transformers' defaults (beta_fast 32, beta_slow 1, attention factor 0.1 ln(factor) + 1); llama3 takes Llama 3.1's
+    frequency bands (low_freq_factor 1, high_freq_factor 4)."""
     if kind not in ROPE_OVERRIDES:
         raise ValueError(f"--rope-scaling must be one of {', '.join(ROPE_OVERRIDES)}, not {kind!r}")
     if not isinstance(factor, (int, float)) or not factor > 1:
