@@ -20,7 +20,7 @@ import torch
 def forward(model, cache, tokens):
     """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last position."""
     cache.begin(tokens.shape[1])                    # bookkeeping: the step fits in the open chunk
-    cache.store.prefetch(cache.n_sealed)            # data: the offloaded chunks this step reads start moving in
+    cache.store.prefetch(cache.n_sealed, cache.first_visible())  # data: offloaded chunks this step reads move in
     logits = model(tokens, cache, last_only=True)   # each layer: write k, v into the open chunk, attend over all chunks
     if cache.commit():                              # the open chunk is full:
         cache.store.seal(cache.n_sealed - 1)        # data: it joins the window, the oldest window chunk is offloaded

@@ -10,6 +10,11 @@ Attention of a block of queries (a prefill chunk, or one decode token) runs over
 one partial attention per chunk, each normalised within its chunk and carrying the log-sum-exp of its scores,
 merged in that order with weights exp(lse_chunk - lse_total). No position is dropped or approximated.
 
+Sliding-window layers (Mistral, some Qwen2) see only the W latest positions: key k is visible from query q iff
+q - k < W. A sealed chunk wholly before every query's window is skipped (neither prefetched nor loaded, see
+first_visible_chunk); the chunk straddling the window's edge, and the open chunk when it is longer than W, are
+attended with a mask.
+
 Why offload cannot change the output: the compute schedule (which positions go into which kernel call, the
 shapes of those calls, and the order of the merges) is a function of the positions and C only. Where a chunk
 lives changes which copy brings it to the device, never the arithmetic: every chunk reaches attention as a
@@ -46,27 +51,48 @@ def attend_chunk(q, k, v, visible=None):
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)                               # [B, G, R*T, 1] row max
+    if visible is not None:  # a row with no visible key (the window's edge chunk) must give o = 0, lse = -inf, not NaN
+        m = m.masked_fill(m == float("-inf"), 0.0)
     p = torch.exp(s - m)                                           # [B, G, R*T, L]
     l = p.sum(dim=-1, keepdim=True)                                # [B, G, R*T, 1] row sum of exponentials
     o = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D)).view(B, G, RT, D).float()
+    if visible is not None:  # l >= 1 where a key is visible (its max term is exp(0)): this changes empty rows only
+        return o / l.clamp(min=1.0), m + torch.log(l)
     return o / l, m + torch.log(l)
 
 
-def attend_open_chunk(q, k, v, off, R):
-    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal).
-    q [B, G, R*T, D] (rows are (r, t) pairs); k, v [B, G, off+T, D]. Returns (o, lse) as attend_chunk."""
+def attend_open_chunk(q, k, v, off, R, window=None):
+    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal), and with a sliding
+    window of W only the W latest. q [B, G, R*T, D] (rows are (r, t) pairs); k, v [B, G, off+T, D]."""
     B, G, RT, D = q.shape
     T = RT // R
-    if T == 1:                                                     # one query: every key is visible
+    slides = window is not None and off + T > window              # some key here is outside some query's window
+    if T == 1 and not slides:                                      # one query: every key is visible
         return attend_chunk(q, k, v)
-    if off == 0 and _FLASH_CPU is not None and q.device.type == "cpu":  # a prefill chunk: the kernel's causal mask
+    if off == 0 and not slides and _FLASH_CPU is not None and q.device.type == "cpu":  # the kernel's causal mask
         kh = k[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]: one kv head per q head
         vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)
         o, lse = _FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)  # [B, H, T, D], [B, H, T]
         return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT, 1)
     t = torch.arange(RT, device=q.device) % T                      # query row (r, t) sits at offset off + t
-    visible = torch.arange(off + T, device=q.device)[None, :] <= (off + t)[:, None]  # [R*T, off+T]
-    return attend_chunk(q, k, v, visible)
+    return attend_chunk(q, k, v, visible_keys(off + t, torch.arange(off + T, device=q.device), window))
+
+
+def visible_keys(q_pos, k_pos, window=None):
+    """[len(q_pos), len(k_pos)] bool: key k is visible from query q iff k <= q, and q - k < W with a window."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    return visible
+
+
+def first_visible_chunk(window, first_query, chunk_size):
+    """The first chunk that the query at position first_query, the earliest of a step, can see through a window of
+    W positions (0 with full attention, window None). Later queries of the step see no further back, so every
+    chunk before it is skipped; a function of positions only, so the schedule stays placement-independent."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // chunk_size
 
 
 def merge(state, o, lse):
@@ -106,9 +132,10 @@ class KVCache:
     step's queries all sit in the open chunk.
     """
 
-    def __init__(self, store):
+    def __init__(self, store, windows=None):
         self.store = store
         self.chunk_size = store.chunk_size  # C
+        self.windows = tuple(windows) if windows is not None else (None,) * store.n_layers  # per layer: W or None
         self.length = 0                     # positions already written and committed
         self.T = 0                          # tokens of the step in flight
 
@@ -125,6 +152,11 @@ class KVCache:
             raise ValueError(f"the cache holds {self.store.max_length} positions; position {self.length + T} is past it")
         self.T = T
 
+    def first_visible(self):
+        """Per layer, the first sealed chunk this step can see: 0 with full attention, later with a sliding window.
+        The store prefetches from there; what lies before it is never read."""
+        return [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
+
     def attend(self, layer, q, k, v):
         """q [B, H, T, D], k, v [B, G, T, D] at positions [length, length+T) -> attention output [B, H, T, D]."""
         B, H, T, D = q.shape
@@ -138,15 +170,20 @@ class KVCache:
         kv[0, :, :, off:off + T] = k
         kv[1, :, :, off:off + T] = v
         q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)  # rows are (r, t) pairs
+        C, W = self.chunk_size, self.windows[layer]
+        q_pos = None if W is None else self.length + torch.arange(R * T, device=q.device) % T  # [R*T] row positions
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))          # a function of shapes only: placement-free
         state, parts, load, release = None, [], self.store.load, self.store.release
-        for j in range(self.n_sealed):                                 # sealed chunks: every key is in the past
+        # a row with no visible key in a chunk (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
+        for j in range(first_visible_chunk(W, self.length, C), self.n_sealed):  # sealed: every key is in the past
             k_j, v_j = load(layer, j)                                  # [B, G, C, D] each, on the device
-            parts.append(attend_chunk(q, k_j, v_j))
+            edge = W is not None and j * C <= self.length + T - 1 - W  # its first key is out of the last query's window
+            visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W) if edge else None  # [R*T, C]
+            parts.append(attend_chunk(q, k_j, v_j, visible))
             release(layer, j)                                          # its staging slot may be refilled
             if len(parts) == group:
                 state, parts = merge(state, *merge_group(parts)), []
-        parts.append(attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R))
+        parts.append(attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R, W))
         o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
@@ -165,4 +202,4 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     store = TieredStore(shape=(2, 1, a.n_kv_heads, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
                         on_durable=on_durable)
-    return KVCache(store)
+    return KVCache(store, a.layer_windows)

@@ -90,7 +90,8 @@ class TieredStore:
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.n_chunks = -(-max_length // C)                                  # chunks per layer for max_length
         self.window = self.n_chunks if cfg.mode == "none" else cfg.window
-        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0}
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0,
+                      "window_skipped": 0}  # outside every query's sliding window: never read at all
         self.count_lock = threading.Lock()
 
         # the device tier: each layer's open chunk, the window, buffers given back by evictions
@@ -154,8 +155,10 @@ class TieredStore:
         while st.inflight:  # a step that failed half-way left copies in flight: let them land first
             st.inflight.popleft()[3].result()
         st.free = list(range(len(st.slots) - 1, -1, -1))
-        order = [(l, j) for l in range(self.n_layers) for j in range(first[l] if first else 0, n_sealed)
+        first = first or [0] * self.n_layers
+        order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
                  if self.loc[(l, j)] is not DEVICE]
+        self._count("window_skipped", sum(min(f, n_sealed) for f in first) * self.chunk_bytes)  # wherever they live
         if self.staged:
             st.queue = deque(order)
             self._pump()
