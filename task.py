@@ -12,11 +12,13 @@ from kvcache import KVCache
 from monitor import host_memory
 from offload import TieredStore
 from taskdir import TaskDir
+from tp import Layout, agree_min
 
 
 def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None):
     a, p = model.args, next(model.parameters())
-    store = TieredStore(a.n_layers, 1, a.n_kv_heads, a.head_dim, chunk_size, max_length, p.device, p.dtype, cfg,
+    G = model.layers[0].attention.n_local_kv_heads  # this rank's kv heads (all of them without tensor parallel)
+    store = TieredStore(a.n_layers, 1, G, a.head_dim, chunk_size, max_length, p.device, p.dtype, cfg,
                         disk_path, restore, on_durable)
     return KVCache(store)
 
@@ -37,16 +39,20 @@ def resume_point(manifest, task, chunk_size):
 
 
 def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, sampling=Sampling(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None):
+             on_token=None, on_step=None, fingerprint=None, log=None, layout=None):
     """Generate for one prompt with its own cache; returns (new ids, stats) with everything measured.
 
     With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a model fingerprint,
     the disk tier doubles as a checkpoint: a manifest follows every synced chunk, and a rerun after a crash
     restores the chunks it vouches for. The directory is removed on success (unless cfg.keep_files) and kept
-    on failure, for the next run to resume from."""
+    on failure, for the next run to resume from. Under tensor parallelism (layout, see tp.py) each rank keeps its
+    own store in task_<id>/rank<r>/ and the ranks resume together from the shortest prefix they all vouch for."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    taskdir = TaskDir(cfg.offload_dir, task_id) if cfg.mode == "disk" else None
+    layout = layout or Layout.single()
+    taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
+    if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
+        fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
     task = {"fingerprint": fingerprint, "dtype": str(next(model.parameters()).dtype), "device": device.type,
             "chunk_size": chunk_size, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
             "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
@@ -54,6 +60,8 @@ def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, samp
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
+    n_restore = agree_min(n_restore, layout)  # the ranks of a replica step together: same prefix, same replay
+    replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the worker thread
 
     def durable(n, chunks):  # worker thread: chunks 0..n-1 are synced; vouch for them
@@ -61,14 +69,21 @@ def run_task(model, tokenizer, prompt_ids, max_new_tokens, chunk_size, cfg, samp
 
     ok, cache = False, None
     try:
-        cache = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
-                           restore=manifest["chunks"] if n_restore else None,
+        def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
+            c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
+                           restore=manifest["chunks"] if n else None,
                            on_durable=durable if taskdir and fingerprint else None)
-        if n_restore:  # positions past the restored chunks are recomputed, the replayed tokens fed again
-            restored = cache.store.restore(n_restore, manifest["chunks"])
-            if restored < n_restore and log:
-                log(f"task {task_id}: chunk {restored} is missing or fails its checksum; recomputing from there")
-            cache.length = restored * chunk_size
+            return c, c.store.restore(n, manifest["chunks"]) if n else 0
+        cache, restored = open_cache(n_restore)
+        agreed = agree_min(restored, layout)
+        if agreed < restored:  # another rank's store vouches for fewer chunks: reopen ours at that prefix
+            cache.store.close()
+            cache = None
+            cache, restored = open_cache(agreed)
+        if restored < n_restore and log:
+            log(f"task {task_id}: chunk {restored} is missing or fails its checksum"
+                f"{' on some rank' if layout.tp > 1 else ''}; recomputing from there")
+        cache.length = restored * chunk_size
         resumed_from = cache.length
         new, stats = _timed_generate(model, cache, prompt_ids, max_new_tokens, sampling, tokenizer, cuda, device,
                                      out, on_token, on_step)
