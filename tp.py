@@ -242,7 +242,7 @@ def _plan(name, args, s, layout):
     kv = range(s.kv_heads.start * D, s.kv_heads.stop * D)
     table = {"wq": (0, heads), "wk": (0, kv), "wv": (0, kv), "wo": (1, heads),
              "w1": (0, s.ffn), "w3": (0, s.ffn), "w2": (1, s.ffn)}
-    if ".layers." in name and kind[0] in table:
+    if name.startswith("layers.") and kind[0] in table:
         if kind[0] in ("wo", "w2") and kind[1] == "bias":
             return "leader"
         dim, rows = table[kind[0]]
