@@ -263,15 +263,21 @@ def _plan(name, args, s, layout):
     return None
 
 
-def _read(sl, dim, rows, full):
-    """Rows [rows) of a safetensors slice along dim; rows past the end (vocab padding) come back as zeros."""
+def _read(sl, plan, full):
+    """(the part of a safetensors slice this rank holds, bytes read from the file for it). Vocab rows past the end
+    of the table (padding, so every rank's slice has one shape) are zeros, not read."""
+    if plan in (None, "leader"):
+        t = sl[:]
+        return t, t.numel() * t.element_size()
+    dim, rows = plan
     stop = min(rows.stop, full[dim])
     t = sl[rows.start:stop] if dim == 0 else sl[:, rows.start:stop]
+    n = t.numel() * t.element_size()
     if stop < rows.stop:
         pad = list(t.shape)
         pad[dim] = rows.stop - stop
         t = torch.cat([t, t.new_zeros(pad)], dim=dim)
-    return t
+    return t, n
 
 
 def _slices(ckpt_dir):
@@ -315,8 +321,8 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
         if plan == "leader" and not layout.is_leader:
             setattr(module, attr, None)  # nn.Linear then adds no bias: the leader's is summed in once
             continue
-        t = sl[:] if plan in (None, "leader") else _read(sl, *plan, full)
-        model.loaded_bytes += t.numel() * t.element_size()
+        t, n = _read(sl, plan, full)
+        model.loaded_bytes += n
         setattr(module, attr, nn.Parameter(t.to(device, dtype), requires_grad=False))
     missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
     if missing:

@@ -24,7 +24,8 @@ CASES = {
     "gqa": (dict(), "shard"),                                                 # H=4, G=2: one kv head per rank
     "gqa_replicated_vocab": (dict(), "replicate"),
     "mha_bias": (dict(num_key_value_heads=4, attention_bias=True, mlp_bias=True), "shard"),  # row biases once
-    "one_kv_head": (dict(arch="qwen2", num_key_value_heads=1, tie_word_embeddings=True), "shard"),  # G=1 < N
+    "one_kv_head": (dict(arch="qwen2", num_key_value_heads=1, tie_word_embeddings=True, vocab_size=127),
+                    "shard"),  # G=1 < N: the kv head replicated; V odd: the last rank's vocab rows padded
 }
 
 
@@ -98,9 +99,10 @@ def test_tp_each_rank_reads_only_its_slices(two_ranks, reference, case):
     model, (kwargs, vocab) = reference[case]["model"], CASES[case]
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     a = model.args
+    pad = (-a.vocab_size) % 2 * a.dim * 4  # zero rows on the last rank, held but not read
     for r in results:
         c = r[case]
-        assert c["loaded_bytes"] == c["held_bytes"] < whole
+        assert c["loaded_bytes"] + pad * (r["tp_rank"] == 1) == c["held_bytes"] < whole
         assert c["local_heads"] == a.n_heads // 2
         assert c["local_kv_heads"] == max(1, a.n_kv_heads // 2) and c["wk_rows"] == c["local_kv_heads"] * a.head_dim
     if vocab == "shard":  # with every table cut, two ranks together read the file once (plus replicated norms)
@@ -184,6 +186,15 @@ def test_one_process_layout_loads_the_whole_model(llama_ckpt):
     ours, ref = load_sharded(llama_ckpt, Layout.single()), Transformer.from_pretrained(llama_ckpt)
     for (n, p), (m, q) in zip(ours.named_parameters(), ref.named_parameters()):
         assert n == m and torch.equal(p, q)
+
+
+@pytest.mark.parametrize("H,G,N", [(4, 2, 2), (8, 2, 4), (64, 8, 16), (4, 1, 4), (8, 8, 2)])
+def test_each_rank_holds_the_kv_heads_its_query_heads_read(H, G, N):
+    a = ModelArgs(n_heads=H, n_kv_heads=G, hidden_dim=64)
+    for r in range(N):
+        s = Shard.of(a, N, r)
+        assert len(s.heads) == H // N and len(s.kv_heads) == max(1, G // N)
+        assert {i // (H // G) for i in s.heads} == set(s.kv_heads)  # the one-process query -> kv head map
 
 
 def test_split_tasks_deterministic_disjoint_covering():
