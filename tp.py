@@ -41,7 +41,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from model import CheckpointError, ModelArgs, Transformer, checkpoint_files, hf_to_ours, ours_to_hf, read_json, rope_inv_freq
+from model import (CheckpointError, ModelArgs, Transformer, checkpoint_files, hf_to_ours, ours_to_hf, read_json,
+                   rope_inv_freq)
 
 VOCAB_MODES = ("shard", "replicate")
 
