@@ -199,7 +199,8 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says.
     disk_path, restore and on_durable are the resume hooks of task.py (see TieredStore)."""
     a, emb = model.args, model.tok_embeddings.weight
-    store = TieredStore(shape=(2, 1, a.n_kv_heads, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
+    G = model.layers[0].attention.n_local_kv_heads  # this rank's kv heads (all of them without tensor parallel)
+    store = TieredStore(shape=(2, 1, G, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
                         on_durable=on_durable)
     return KVCache(store, a.layer_windows)

@@ -198,17 +198,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wv = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wo = nn.Linear(H * D, E, bias=args.o_bias)
+        self.n_local_heads, self.n_local_kv_heads = H, G  # the heads this process holds; tp.py lowers them
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial wo output
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
-        H, G, D = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
+        H, G, D = self.n_local_heads, self.n_local_kv_heads, self.args.head_dim
         q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # the reference: every position attends to all earlier ones (in its window), nothing is kept
-            k = k.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
-            v = v.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
+            k = k.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
+            v = v.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
             window = self.args.layer_windows[layer]
             if window is None or T <= window:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
@@ -216,7 +218,8 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_mask(T, window, x.device))
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        y = self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class FeedForward(nn.Module):
@@ -225,9 +228,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate_proj
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up_proj
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down_proj
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial w2 output
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class Block(nn.Module):
