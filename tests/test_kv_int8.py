@@ -120,8 +120,9 @@ def test_resume_never_mixes_kv_dtypes(llama, tmp_path):
     """A disk tier left by an int8 run (its manifest kept) resumes an int8 rerun, never an unquantized one."""
     ids, logs = prompt(60, llama.args.vocab_size, seed=8), []
     cfg = OffloadConfig(mode="disk", window=0, offload_dir=str(tmp_path), keep_files=True)
-    task = lambda kv: run_task(llama, ids, 4, chunk_size=8, cfg=cfg, kv_dtype=kv, fingerprint="fp", task_id="t",  # noqa: E731
-                               log=logs.append)
+
+    def task(kv):
+        return run_task(llama, ids, 4, chunk_size=8, cfg=cfg, kv_dtype=kv, fingerprint="fp", task_id="t", log=logs.append)
     first = task("int8")
     again = task("int8")
     assert again[1]["resumed_from"] > 0 and again[0] == first[0]      # the same kv dtype: resumed, same output
