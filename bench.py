@@ -35,6 +35,7 @@ import torch
 import probe
 from disk import DiskError
 from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
+from kvcache import kv_bytes_per_token
 from model import CheckpointError, ModelArgs, Transformer, ours_to_hf
 from monitor import host_memory
 from offload import OffloadConfig, OffloadError
@@ -113,7 +114,7 @@ def run_ours(model, ids, args, mode, tag, new_tokens=None):
     cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress)
     marks = []  # when the first token was sampled, then when each decode step ended
     new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size, cfg=cfg,
-                       task_id=f"bench_{os.getpid()}_{tag}",
+                       task_id=f"bench_{os.getpid()}_{tag}", kv_dtype=args.kv_dtype,
                        on_token=lambda out: len(out) == 1 and marks.append(time.perf_counter()),
                        on_step=lambda phase, *_: phase == "decode" and marks.append(time.perf_counter()))
     st["decode_step_s"] = statistics.median(np.diff(marks))
@@ -363,7 +364,7 @@ def main(argv=None):
         hf = load_hf(args.ckpt, args.device, DTYPES[args.dtype]) if args.vs_hf and not args.probe else None
         machine, cuda, dt = probe.environment(args.device), is_cuda(args.device), DTYPES[args.dtype]
         config = {k: v for k, v in vars(args).items() if k != "sizes"} | {
-            "contexts": contexts, "modes": modes, "kv_bytes_per_token": margs.kv_bytes_per_token(dt),
+            "contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_bytes_per_token(margs, dt, args.kv_dtype),
             "model": dict(zip(SIZE_KEYS, (margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.head_dim,
                                           margs.hidden_dim, margs.vocab_size)))}
         if args.probe:
@@ -384,8 +385,8 @@ def main(argv=None):
             runs, ids_out, cal = run_matrix(model, hf, args, contexts, modes)
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
             rows, hf_rows = summarize(runs, ids_out, cal, args, margs, contexts, modes)
-            print(f"{args.ckpt} {config['model']}, {args.dtype} on {args.device}, chunk {args.chunk_size}, window "
-                  f"{args.window}, {args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
+            print(f"{args.ckpt} {config['model']}, {args.dtype} (KV {args.kv_dtype}) on {args.device}, chunk "
+                  f"{args.chunk_size}, window {args.window}, {args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
                   f"{machine['cpu_count']} CPUs, {machine['torch_threads']} threads, load {machine['loadavg']} -> "
                   f"{machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
             report = {"machine": machine, "config": config, "calibration": cal, "results": rows, "hf": hf_rows}

@@ -17,6 +17,7 @@ import torch
 
 from batch import run_batch
 from generate import Sampling
+from kvcache import KV_DTYPES
 from kvstore import KVStore, StoreError
 from model import CheckpointError, ModelArgs, Transformer, read_json
 from monitor import Monitor
@@ -58,6 +59,9 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda "
                    "(default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="how the KV cache is held: auto = as "
+                   "--dtype; int8 = quantized per token and kv head, about half of bf16's bytes in every tier and "
+                   "link (lossy; offload stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
                    "avoids OpenMP threads stalling while another process holds a core)")
     p.add_argument("--kv-store", metavar="DIR", help="a persistent prompt cache: reuse the KV of a prompt's stored "
@@ -290,7 +294,7 @@ def main(argv=None):
         new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg, sampling=sampling,
                               eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
                               on_step=lambda phase, logits, cache: step(task["id"], phase, cache, len(ids), progress),
-                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store)
+                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype)
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,

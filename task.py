@@ -33,10 +33,11 @@ def resume_point(manifest, task, chunk_size):
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None):
+             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None,
+             kv_dtype="auto"):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
 
-    cfg is an OffloadConfig. on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
+    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
     forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
     fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
     manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
@@ -51,7 +52,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
         fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
     task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
-            "chunk_size": chunk_size, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
+            "chunk_size": chunk_size, "kv_dtype": kv_dtype, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
             "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
@@ -72,7 +73,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
                 c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
                                restore=manifest["chunks"] if n else None,
-                               on_durable=durable if taskdir and fingerprint else None)
+                               on_durable=durable if taskdir and fingerprint else None, kv_dtype=kv_dtype)
                 return c, c.store.restore(n, manifest["chunks"]) if n else 0
             cache, restored = open_cache(n_restore)
             agreed = agree_min(restored, layout)
@@ -104,7 +105,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"] = resumed_from
+    stats["resumed_from"], stats["kv_dtype"] = resumed_from, kv_dtype
     return new, stats
 
 

@@ -16,7 +16,7 @@ LAYERS = [
     {"cli"},                                                             # flags, checks, generate.py's main
     {"batch", "task", "taskdir", "monitor", "dist"},                     # tasks, resume, data parallel, trace
     {"generate"},                                                        # the loop
-    {"model", "quantize", "tp", "tokenizer", "progress"},                # the network, text <-> ids
+    {"model", "rope", "quantize", "tp", "tokenizer", "progress"},        # the network, text <-> ids
     {"kvcache"},                                                         # chunks as attention sees them
     {"offload", "kvstore", "disk", "pools"},                             # where bytes live and move
 ]
@@ -67,7 +67,7 @@ def test_imports_flow_down_and_have_no_cycle():
 
 
 def test_core_imports_nothing_above_the_loop():
-    core = {"model", "kvcache", "offload", "disk", "pools", "generate", "tokenizer"}
+    core = {"model", "rope", "kvcache", "offload", "disk", "pools", "generate", "tokenizer"}
     for m in core:
         assert imports_of(m) <= core | {"quantize", "tp", "progress", "kvstore"}, (m, imports_of(m))
 
