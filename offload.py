@@ -17,9 +17,9 @@ The store's verbs, in the order generate.forward calls them:
     release(l, j) attention is done with it; its staging slot may be refilled
     seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
     close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (the host tier and the pinned bounce buffers) and Staging (device slots filled
-ahead of attention), both in pools.py, a reader thread (disk reads, zstd) and a writer thread (disk writes and
-the syncs a manifest needs: on a thread of their own, so that a chunk boundary never delays the next prefetch).
+Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots filled ahead of
+attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread (disk writes, the syncs a
+manifest needs), apart so that a chunk boundary never delays the next prefetch.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
 silently, so every wait is marked in the code as "rule N":
@@ -29,11 +29,10 @@ silently, so every wait is marked in the code as "rule N":
     4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
        only after the copy out of it has finished;
     5. a device buffer given back to the pool is reused only after the copy out of it has finished.
-Evictions (device to host) run on their own stream, prefetches (host to device) on another, so neither queues
-behind the other. On CPU there are no streams: "device" and host are the same memory. Without compression, host
-chunks and raw disk chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages
-belong to the page cache, not to the process); with zstd, the reader decompresses disk chunks (and copies host
-chunks) into staging slots ahead of attention.
+Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues behind the other.
+On CPU there are no streams ("device" and host are one memory): without zstd, host and raw disk chunks are read in
+place (a disk chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
+decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
 """
 import os
 import queue
@@ -142,7 +141,7 @@ class TieredStore:
                 self.bounce_free.put(b)
 
     def _count(self, key, n):
-        with self.count_lock:
+        with self.count_lock:  # the reader, the writer and the main thread all count
             self.bytes[key] += n
 
     # ---- a step: prefetch, open_chunk, load, release ------------------------------------------------------
@@ -351,8 +350,7 @@ class TieredStore:
             as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
 
     def _event(self, stream):
-        e = torch.cuda.Event()
-        e.record(stream)
+        (e := torch.cuda.Event()).record(stream)
         return e
 
     def _device_buffer(self):
