@@ -198,13 +198,15 @@ def markdown(rows, hf_rows):
     sp = lambda r, k: f"{r[k]:,.1f} ({r[k + '_spread'][0]:,.1f}-{r[k + '_spread'][1]:,.1f})"  # noqa: E731
     opt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | predicted | error | vs none: "
-             "prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | disk write / read MiB |", "|---" * 11 + "|"]
+             "prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | disk tier write / read / read in place MiB "
+             "|", "|---" * 11 + "|"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['mode']} | {sp(r, 'prefill_tokens_per_s')} | {sp(r, 'decode_tokens_per_s')} "
                      f"| {opt(r['predicted_decode_tokens_per_s'], ',.1f')} | {opt(r['prediction_error'], '+.0%')} "
                      f"| {opt(r.get('prefill_vs_none'), '.2f')} / {opt(r.get('decode_vs_none'), '.2f')} "
                      f"| {r['ttft_s']:.2f} | {mib(r['peak_device_bytes'])} | {mib(r['peak_host_rss_bytes'])} / "
-                     f"{mib(r['peak_host_anon_bytes'])} | {mib(r['bytes']['disk_write'])} / {mib(r['bytes']['disk_read'])} |")
+                     f"{mib(r['peak_host_anon_bytes'])} | {mib(r['bytes']['disk_write'])} / {mib(r['bytes']['disk_read'])} / "
+                     f"{mib(r['bytes']['disk_mapped_read'])} |")
     if hf_rows:
         ours = {(r["context"], r["mode"]): r for r in rows}
         lines += ["", "| context | transformers cache | prefill tok/s (min-max) | decode tok/s (min-max) | ours none / "

@@ -382,15 +382,13 @@ class TieredStore:
             self.chunk_bytes // self.chunk_size)
         with self.count_lock:
             moved = dict(self.bytes)
-        pinned = self.host.pinned_bytes + (self.read_bounces.pinned_bytes + self.write_bounces.pinned_bytes
-                                           if self.cuda else 0)
+        pinned = sum(p.pinned_bytes for p in (self.host, *((self.read_bounces, self.write_bounces) if self.cuda else ())))
         return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now, "kv_device_bytes_peak": self.peak_device_bytes,
                 "pinned_bytes": pinned, "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
-        for worker in (self.reader, self.writer):
-            if worker is not None:
-                worker.shutdown(wait=True)
+        for worker in filter(None, (self.reader, self.writer)):
+            worker.shutdown(wait=True)
         if self.cuda:
             self.copy_stream.synchronize()   # no copy may still read or write a buffer about to be freed
             self.evict_stream.synchronize()
