@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from disk import DISK_FULL, DiskError
 from offload import OffloadError
 from taskdir import TaskDir, TaskDirError, safe_task_name
+from tokenizer import messages_problem
 
 TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,), "temperature": (int, float),
                "seed": (int,)}
@@ -53,9 +54,12 @@ def read_tasks(path):
 def task_problem(task):
     if not isinstance(task, dict):
         return "not a JSON object"
-    for key in ("id", "prompt"):
-        if key not in task:
-            return f"field '{key}' is missing"
+    if "id" not in task:
+        return "field 'id' is missing"
+    if ("prompt" in task) == ("messages" in task):
+        return "give one of 'prompt' (text) or 'messages' (a chat)"
+    if "messages" in task and messages_problem(task["messages"]):
+        return messages_problem(task["messages"])
     for key, types in TASK_FIELDS.items():
         if key in task and (not isinstance(task[key], types) or isinstance(task[key], bool)):
             return f"field '{key}' must be {' or '.join(t.__name__ for t in types)}"

@@ -17,12 +17,15 @@ import torch
 
 from batch import run_batch
 from generate import Sampling
+from kvcache import KV_DTYPES
+from kvstore import KVStore, StoreError
 from model import CheckpointError, ModelArgs, Transformer, read_json
 from monitor import Monitor
 from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
 from task import run_task
 from taskdir import TaskDirError, model_fingerprint
-from tokenizer import load_tokenizer
+from progress import Progress
+from tokenizer import chat_messages, load_tokenizer
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
 DEMO_PROMPT = ("A module is a file containing Python definitions and statements. The file name is the module name "
@@ -58,8 +61,15 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda "
                    "(default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="how the KV cache is held: auto = as "
+                   "--dtype; int8 = quantized per token and kv head, about half of bf16's bytes in every tier and "
+                   "link (lossy; offload stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
                    "avoids OpenMP threads stalling while another process holds a core)")
+    p.add_argument("--kv-store", metavar="DIR", help="a persistent prompt cache: reuse the KV of a prompt's stored "
+                   "full chunks (a document asked again), store the ones computed; output stays bit-identical")
+    p.add_argument("--kv-store-budget", type=float, metavar="GIB", help="with --kv-store: evict least recently "
+                   "used entries to stay under this size (default: no limit)")
 
 
 def check_common(args, needs_disk):
@@ -73,12 +83,24 @@ def check_common(args, needs_disk):
         (args.staging_slots >= 1, f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
+        (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
+         "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
     if needs_disk:
         args.created_offload_dir = check_writable_dir(args.offload_dir)
+
+
+def open_kv_store(args):
+    """The --kv-store DIR as a kvstore.KVStore (None without the flag); a bad directory is a UsageError."""
+    if not args.kv_store:
+        return None
+    try:
+        return KVStore(args.kv_store, budget_gib=args.kv_store_budget)
+    except StoreError as e:
+        raise UsageError(f"--kv-store {e}") from None
 
 
 def check_writable_dir(path):
@@ -124,7 +146,11 @@ def build_parser():
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (default: a built-in English paragraph)")
     g.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
-    g.add_argument("--prompts", help="batch: a JSONL file of {\"id\", \"prompt\"[, \"max_new_tokens\", \"temperature\", \"seed\"]}")
+    g.add_argument("--prompts", help="batch: a JSONL file of {\"id\", \"prompt\" (or chat \"messages\")[, "
+                   "\"max_new_tokens\", \"temperature\", \"seed\"]}")
+    p.add_argument("--chat", action="store_true", help="render the prompt with the checkpoint's chat template "
+                   "(instruct models), as transformers' apply_chat_template(..., add_generation_prompt=True)")
+    p.add_argument("--system", help="with --chat: a system message (default: none, or the template's own)")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--max-new-tokens", type=int, help="tokens to generate (default 128; 64 in the demo); cut, with a "
                    "warning, where the model's context ends")
@@ -171,6 +197,7 @@ def resolve(args):
         (args.concurrency >= 1, f"--concurrency must be >= 1, got {args.concurrency}"),
         (args.fallback_context is None or args.fallback_context > 0, "--fallback-context must be >= 1"),
         (args.fallback_cpu_budget is None or args.fallback_cpu_budget > 0, "--fallback-cpu-budget must be > 0 GiB"),
+        (args.system is None or args.chat, "--system goes with --chat; add --chat"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -208,6 +235,16 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
     return min(asked or cap - n_prompt, cap - n_prompt)
 
 
+def encode(tokenizer, task, args):
+    """A task's prompt ids: its chat "messages" through the template, its "prompt" through the template with
+    --chat, or its plain "prompt" text."""
+    if "messages" in task:
+        return tokenizer.apply_chat_template(task["messages"])
+    if args.chat:
+        return tokenizer.apply_chat_template(chat_messages(task["prompt"], args.system))
+    return tokenizer.encode(task["prompt"])
+
+
 def fmt_bytes(n):
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -237,10 +274,13 @@ def main(argv=None):
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so text cannot be encoded")
+        if args.chat:
+            tokenizer.chat_template()  # a checkpoint without one is refused before any weight is loaded
         if not args.prompts:  # check the prompt before loading any weight
-            plan_lengths(args, len(tokenizer.encode(text)), model_args)
+            plan_lengths(args, len(encode(tokenizer, {"prompt": text}, args)), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
+        kv_store = open_kv_store(args)
         monitor = Monitor(args.trace)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
         fingerprint = model_fingerprint(args.ckpt)
@@ -248,16 +288,17 @@ def main(argv=None):
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
 
-    def run_one(task, cfg, context=None, on_token=None):
-        ids = tokenizer.encode(task["prompt"])[-context:] if context else tokenizer.encode(task["prompt"])
+    def run_one(task, cfg, context=None, on_token=None, progress=None):
+        ids = encode(tokenizer, task, args)
+        ids = ids[-context:] if context else ids
         max_new = plan_lengths(args, len(ids), model_args, task.get("max_new_tokens"),
                                warn=lambda m: log(f"task {task['id']}: {m}" if args.prompts else m))
         sampling = Sampling(task.get("temperature", args.temperature), args.top_k, args.top_p, task.get("seed", args.seed))
         monitor.task_started(task["id"], len(ids))
         new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg, sampling=sampling,
                               eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
-                              on_step=lambda phase, logits, cache: monitor.step(task["id"], phase, cache),
-                              fingerprint=fingerprint, log=monitor.log)
+                              on_step=lambda phase, logits, cache: step(task["id"], phase, cache, len(ids), progress),
+                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype)
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
@@ -266,6 +307,11 @@ def main(argv=None):
             result["fallback"] = {"context": context}
         result["stats"] = stats
         return result
+
+    def step(task_id, phase, cache, n_prompt, progress):
+        monitor.step(task_id, phase, cache)
+        if progress is not None and phase == "prefill":
+            progress.update(cache.length, n_prompt)
 
     if args.prompts:
         try:
@@ -293,13 +339,15 @@ def single(args, text, cfg, monitor, run_one, tokenizer):
         printed[0] = full
 
     if not args.json:
-        sys.stdout.write(text)
+        sys.stdout.write(text if not args.chat else "")  # a chat prompt is the template's business, not the page's
+    progress = Progress(enabled=not args.json)  # prefill progress on stderr, when it is a terminal
     try:
-        result = run_one({"id": "0", "prompt": text}, cfg, on_token=None if args.json else stream)
+        result = run_one({"id": "0", "prompt": text}, cfg, on_token=None if args.json else stream, progress=progress)
     except (UsageError, OffloadError, TaskDirError, OSError) as e:
         print(f"\ngenerate.py: error: {e}", file=sys.stderr)
         return 1
     finally:
+        progress.close()
         monitor.close()
     print(json.dumps(result, ensure_ascii=False) if args.json else "")
     print(progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"])), file=sys.stderr)

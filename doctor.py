@@ -116,8 +116,8 @@ def check_dir(a):
 
 def plan_bytes(a, margs):
     """KV bytes at the context: per chunk, offloaded in all, and the part the host holds."""
-    dt, L = DTYPES[a.dtype], margs.n_layers
-    chunk, n = slot(margs, dt, a.chunk_size), -(-a.context // a.chunk_size)
+    L = margs.n_layers
+    chunk, n = slot(margs, a, a.chunk_size), -(-a.context // a.chunk_size)
     off = 0 if a.offload == "none" else L * max(0, n - 1 - a.window) * chunk
     budget = a.cpu_budget * GiB if a.cpu_budget is not None else (off if a.offload == "cpu" else 0)
     on_host = off if a.offload == "disk" and fs_type(a.offload_dir) in ("tmpfs", "ramfs") else min(off, budget)
@@ -177,8 +177,8 @@ def check_run(a, model, margs, skip):
     n = min((a.window + 2) * a.chunk_size + 1, margs.max_context - a.max_new_tokens)
     ids = torch.randint(3, margs.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     try:
-        base = verify.run_mode(model, None, ids, a.max_new_tokens, a.chunk_size, "none", "none", a)
-        run = verify.run_mode(model, None, ids, a.max_new_tokens, a.chunk_size, a.offload, a.compress, a)
+        base = verify.run_mode(model, ids, a.max_new_tokens, a.chunk_size, "none", "none", a)
+        run = verify.run_mode(model, ids, a.max_new_tokens, a.chunk_size, a.offload, a.compress, a)
     except Exception as e:  # what the user's run would meet: reported as the cause, one line
         return [(True, "bytes moving", f"a short run with this configuration failed: {e}", "the cause it names"),
                 (False, "same output with offload on and off", "not compared (the short run failed)", "")]

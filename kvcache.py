@@ -10,18 +10,29 @@ Attention of a block of queries (a prefill chunk, or one decode token) runs over
 one partial attention per chunk, each normalised within its chunk and carrying the log-sum-exp of its scores,
 merged in that order with weights exp(lse_chunk - lse_total). No position is dropped or approximated.
 
+Sliding-window layers (Mistral, some Qwen2) see only the W latest positions: key k is visible from query q iff
+q - k < W. A sealed chunk wholly before every query's window is skipped (neither prefetched nor loaded, see
+first_visible_chunk); the chunk straddling the window's edge, and the open chunk when it is longer than W, are
+attended with a mask.
+
 Why offload cannot change the output: the compute schedule (which positions go into which kernel call, the
 shapes of those calls, and the order of the merges) is a function of the positions and C only. Where a chunk
 lives changes which copy brings it to the device, never the arithmetic: every chunk reaches attention as a
 contiguous [B, G, C, D] tensor with the same bytes, whether it stayed on the device, came back from host
 memory, was decompressed, or is a view of a memory-mapped file. So `--offload cpu|disk` is bit-identical to
 `--offload none` at the same chunk size, by construction; verify.py checks it on every run.
+
+How K and V sit in a chunk's bytes is a layout: PlainLayout keeps them as computed; Int8Layout (--kv-dtype int8)
+quantizes them as they are written into the open chunk and dequantizes each chunk right before it is attended.
+The store sees only a buffer of some shape and dtype, so the int8 bytes, not the compute dtype's, cross every link.
 """
 import math
 
 import torch
 
 from offload import TieredStore
+
+KV_DTYPES = ("auto", "int8")  # auto: K and V kept in the compute dtype; int8: quantized per token and kv head
 
 
 # The fused CPU flash-attention kernel (torch >= 2.3) returns the log-sum-exp an exact merge needs; elsewhere (CUDA,
@@ -46,27 +57,48 @@ def attend_chunk(q, k, v, visible=None):
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     m = s.amax(dim=-1, keepdim=True)                               # [B, G, R*T, 1] row max
+    if visible is not None:  # a row with no visible key (the window's edge chunk) must give o = 0, lse = -inf, not NaN
+        m = m.masked_fill(m == float("-inf"), 0.0)
     p = torch.exp(s - m)                                           # [B, G, R*T, L]
     l = p.sum(dim=-1, keepdim=True)                                # [B, G, R*T, 1] row sum of exponentials
     o = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D)).view(B, G, RT, D).float()
+    if visible is not None:  # l >= 1 where a key is visible (its max term is exp(0)): this changes empty rows only
+        return o / l.clamp(min=1.0), m + torch.log(l)
     return o / l, m + torch.log(l)
 
 
-def attend_open_chunk(q, k, v, off, R):
-    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal).
-    q [B, G, R*T, D] (rows are (r, t) pairs); k, v [B, G, off+T, D]. Returns (o, lse) as attend_chunk."""
+def attend_open_chunk(q, k, v, off, R, window=None):
+    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal), and with a sliding
+    window of W only the W latest. q [B, G, R*T, D] (rows are (r, t) pairs); k, v [B, G, off+T, D]."""
     B, G, RT, D = q.shape
     T = RT // R
-    if T == 1:                                                     # one query: every key is visible
+    slides = window is not None and off + T > window              # some key here is outside some query's window
+    if T == 1 and not slides:                                      # one query: every key is visible
         return attend_chunk(q, k, v)
-    if off == 0 and _FLASH_CPU is not None and q.device.type == "cpu":  # a prefill chunk: the kernel's causal mask
+    if off == 0 and not slides and _FLASH_CPU is not None and q.device.type == "cpu":  # the kernel's causal mask
         kh = k[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]: one kv head per q head
         vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)
         o, lse = _FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)  # [B, H, T, D], [B, H, T]
         return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT, 1)
     t = torch.arange(RT, device=q.device) % T                      # query row (r, t) sits at offset off + t
-    visible = torch.arange(off + T, device=q.device)[None, :] <= (off + t)[:, None]  # [R*T, off+T]
-    return attend_chunk(q, k, v, visible)
+    return attend_chunk(q, k, v, visible_keys(off + t, torch.arange(off + T, device=q.device), window))
+
+
+def visible_keys(q_pos, k_pos, window=None):
+    """[len(q_pos), len(k_pos)] bool: key k is visible from query q iff k <= q, and q - k < W with a window."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    return visible
+
+
+def first_visible_chunk(window, first_query, chunk_size):
+    """The first chunk that the query at position first_query, the earliest of a step, can see through a window of
+    W positions (0 with full attention, window None). Later queries of the step see no further back, so every
+    chunk before it is skipped; a function of positions only, so the schedule stays placement-independent."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // chunk_size
 
 
 def merge(state, o, lse):
@@ -90,6 +122,92 @@ def merge_group(parts):
     return torch.matmul(o, w).squeeze(-1), total                   # [B, G, R*T, D]
 
 
+# -----------------------------------------------------------------------------
+# chunk layouts: how K and V are laid out in a chunk's bytes; the store moves the chunk whatever its shape and dtype
+
+class PlainLayout:
+    """K and V as computed: a chunk [2, B, G, C, D] in the compute dtype. write and read are views, nothing else."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def shape(self, B, G, C, D):
+        return (2, B, G, C, D)
+
+    def write(self, chunk, off, k, v):
+        """k, v [B, G, T, D] into positions off..off+T-1 of the chunk."""
+        T = k.shape[2]
+        chunk[0, :, :, off:off + T] = k
+        chunk[1, :, :, off:off + T] = v
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] of the first `upto` positions. chunk: the [2, ...] tensor, or the pair of its
+        halves that the store's load returns."""
+        return chunk[0][:, :, :upto], chunk[1][:, :, :upto]
+
+
+class Int8Layout:
+    """K and V quantized symmetrically, one scale per token and kv head: a uint8 chunk [2, B, G, C, D + 4] whose
+    rows are D int8 values then their fp32 scale (amax|x| / 127) as 4 bytes. The scales live inside the chunk so
+    that it stays one contiguous buffer that every tier moves as a unit; K and V cross every link at about half
+    the bytes of bf16 (D=128: 132 bytes a row instead of 256). fp32 scales rather than bf16 ones: exact, so that
+    the error stays within scale/2, for 2 more bytes a row; with D a multiple of 4 (every real head_dim), a row
+    stride of D + 4 keeps the scales 4-byte aligned, readable as an fp32 view without a copy.
+    Dequantized to the compute dtype chunk by chunk, right before attention: a function of the stored bytes only,
+    so every tier stays bit-identical to --offload none with the same --kv-dtype."""
+
+    S = 4  # bytes of a row's scale
+
+    def __init__(self, compute_dtype):
+        self.dtype, self.compute_dtype = torch.uint8, compute_dtype  # what the store holds; what attention gets
+
+    def shape(self, B, G, C, D):
+        return (2, B, G, C, D + self.S)
+
+    def write(self, chunk, off, k, v):
+        """Quantize k, v [B, G, T, D] into positions off..off+T-1 of the uint8 chunk."""
+        T, D = k.shape[2], k.shape[3]
+        x = torch.stack((k, v)).float()                                          # [2, B, G, T, D]
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min_(torch.finfo(torch.float32).tiny)  # [.., T, 1]
+        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)              # [2, B, G, T, D]
+        rows = chunk[:, :, :, off:off + T]                                       # [2, B, G, T, D + 4] uint8
+        rows[..., :D] = q.view(torch.uint8)
+        rows[..., D:] = scale.view(torch.uint8)                                  # [2, B, G, T, 4]: fp32 bytes
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] in the compute dtype, dequantized from the first `upto` positions. chunk: the
+        [2, ...] uint8 tensor, or the pair of its halves that the store's load returns."""
+        kv = (chunk if torch.is_tensor(chunk) else rejoin(*chunk))[:, :, :, :upto]  # [2, B, G, upto, D + 4]
+        D = kv.shape[-1] - self.S
+        scale = kv[..., D:]                                                      # [2, B, G, upto, 4] uint8
+        aligned = D % 4 == 0 and scale.storage_offset() % 4 == 0
+        scale = (scale if aligned else scale.contiguous()).view(torch.float32)   # [2, B, G, upto, 1]
+        x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)  # int8 * fp32: one kernel
+        return x[0], x[1]
+
+
+def rejoin(k, v):
+    """The K and V halves of one chunk buffer, as the store's load returns them ([0] and [1] of it), seen as that
+    [2, ...] buffer again: K and V then dequantize in one multiply, not two (a chunk visit is the hot loop)."""
+    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr(), "K and V of one chunk expected"
+    return k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride()), k.storage_offset())
+
+
+def chunk_layout(kv_dtype, dtype):
+    """The layout for --kv-dtype (auto: the compute dtype `dtype`)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return Int8Layout(dtype) if kv_dtype == "int8" else PlainLayout(dtype)
+
+
+def kv_bytes_per_token(args, dtype, kv_dtype="auto"):
+    """Bytes of K and V per position, all layers, as the chunks hold them (int8: with the scales); `args` a
+    ModelArgs, dtype the compute dtype. What crosses a link per offloaded position."""
+    layout = chunk_layout(kv_dtype, dtype)
+    row = math.prod(layout.shape(1, args.n_kv_heads, 1, args.head_dim))
+    return args.n_layers * row * torch.empty((), dtype=layout.dtype).element_size()
+
+
 MERGE_GROUP_BYTES = 4 << 20  # partials stacked per group merge: all of a decode step's, a few of a prefill chunk's
 
 
@@ -106,9 +224,11 @@ class KVCache:
     step's queries all sit in the open chunk.
     """
 
-    def __init__(self, store):
+    def __init__(self, store, layout, windows=None):
         self.store = store
+        self.layout = layout                # how K and V sit in a chunk's bytes (PlainLayout, Int8Layout)
         self.chunk_size = store.chunk_size  # C
+        self.windows = tuple(windows) if windows is not None else (None,) * store.n_layers  # per layer: W or None
         self.length = 0                     # positions already written and committed
         self.T = 0                          # tokens of the step in flight
 
@@ -125,6 +245,11 @@ class KVCache:
             raise ValueError(f"the cache holds {self.store.max_length} positions; position {self.length + T} is past it")
         self.T = T
 
+    def first_visible(self):
+        """Per layer, the first sealed chunk this step can see: 0 with full attention, later with a sliding window.
+        The store prefetches from there; what lies before it is never read."""
+        return [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
+
     def attend(self, layer, q, k, v):
         """q [B, H, T, D], k, v [B, G, T, D] at positions [length, length+T) -> attention output [B, H, T, D]."""
         B, H, T, D = q.shape
@@ -134,19 +259,23 @@ class KVCache:
         G = k.shape[1]
         R = H // G
         off = self.length % self.chunk_size
-        kv = self.store.open_chunk(layer)                              # [2, B, G, C, D] on the device
-        kv[0, :, :, off:off + T] = k
-        kv[1, :, :, off:off + T] = v
+        kv = self.store.open_chunk(layer)                              # layout.shape(B, G, C, D), on the device
+        self.layout.write(kv, off, k, v)
         q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)  # rows are (r, t) pairs
+        C, W = self.chunk_size, self.windows[layer]
+        q_pos = None if W is None else self.length + torch.arange(R * T, device=q.device) % T  # [R*T] row positions
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))          # a function of shapes only: placement-free
-        state, parts, load, release = None, [], self.store.load, self.store.release
-        for j in range(self.n_sealed):                                 # sealed chunks: every key is in the past
-            k_j, v_j = load(layer, j)                                  # [B, G, C, D] each, on the device
-            parts.append(attend_chunk(q, k_j, v_j))
+        state, parts, load, release, read = None, [], self.store.load, self.store.release, self.layout.read
+        # a row with no visible key in a chunk (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
+        for j in range(first_visible_chunk(W, self.length, C), self.n_sealed):  # sealed: every key is in the past
+            k_j, v_j = read(load(layer, j), C)                         # [B, G, C, D] each, on the device
+            edge = W is not None and j * C <= self.length + T - 1 - W  # its first key is out of the last query's window
+            visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W) if edge else None  # [R*T, C]
+            parts.append(attend_chunk(q, k_j, v_j, visible))
             release(layer, j)                                          # its staging slot may be refilled
             if len(parts) == group:
                 state, parts = merge(state, *merge_group(parts)), []
-        parts.append(attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R))
+        parts.append(attend_open_chunk(q, *read(kv, off + T), off, R, W))  # k, v [B, G, off+T, D]
         o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
@@ -158,11 +287,14 @@ class KVCache:
         return self.length % self.chunk_size == 0
 
 
-def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None):
-    """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says.
-    disk_path, restore and on_durable are the resume hooks of task.py (see TieredStore)."""
+def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None, kv_dtype="auto"):
+    """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says, K and V
+    held as kv_dtype says (KV_DTYPES). disk_path, restore and on_durable are the resume hooks of task.py (see
+    TieredStore)."""
     a, emb = model.args, model.tok_embeddings.weight
-    store = TieredStore(shape=(2, 1, a.n_kv_heads, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
+    layout = chunk_layout(kv_dtype, emb.dtype)
+    G = model.layers[0].attention.n_local_kv_heads  # this rank's kv heads (all of them without tensor parallel)
+    store = TieredStore(shape=layout.shape(1, G, chunk_size, a.head_dim), dtype=layout.dtype, n_layers=a.n_layers,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
                         on_durable=on_durable)
-    return KVCache(store)
+    return KVCache(store, layout, a.layer_windows)

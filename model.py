@@ -5,12 +5,12 @@ Shape legend, used the same way in every file of this project:
     B batch, T positions in this call, S all positions so far, H query heads, G kv heads,
     R = H // G query heads per kv head, D head dim, E model dim, F mlp dim, V vocab, C chunk size.
 
-`model(tokens)` runs plain full causal attention: the reference every cached and offloaded path is checked
-against. `model(tokens, cache)` hands each layer's q, k, v to the cache (kvcache.py), which stores k, v and
-returns the attention output; the model itself knows nothing of chunks, tiers or transfers.
+`model(tokens)` runs plain causal attention (masked to each layer's sliding window, if it has one): the reference
+every cached and offloaded path is checked against. `model(tokens, cache)` hands each layer's q, k, v to the cache
+(kvcache.py), which stores k, v and returns the attention output; the model itself knows nothing of chunks, tiers
+or transfers. RoPE frequencies (plain, linear, llama3, YaRN) and stretching them past the trained context: rope.py.
 """
-import json
-import math
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,14 +19,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
+
+from checkpoint import CheckpointError, checkpoint_files, iter_checkpoint, read_json  # noqa: F401 (re-exported)
+from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load; the message names the file, field or tensor and what to do."""
 
 
 # -----------------------------------------------------------------------------
@@ -45,12 +42,13 @@ class ModelArgs:
     norm_eps: float = 1e-6             # rms_norm_eps
     max_seq_len: int = 2048            # max_position_embeddings
     rope_theta: float = 10000.0        # RoPE base
-    rope_scaling: dict = field(default_factory=dict)  # {} or {"rope_type": "linear"|"llama3", "factor": ...}
+    rope_scaling: dict = field(default_factory=dict)  # {} or {"rope_type": "linear"|"llama3"|"yarn", "factor": ...}
     qkv_bias: bool = False             # Qwen2 (and Llama attention_bias) add biases to q, k, v
     o_bias: bool = False               # Llama attention_bias also biases o_proj
     mlp_bias: bool = False             # Llama mlp_bias
     tie_embeddings: bool = False       # lm_head shares the embedding matrix (no lm_head.weight in the file)
-    sliding_window: Optional[int] = None  # Mistral: exact as full attention while the context is <= this
+    sliding_window: Optional[int] = None  # W: a sliding layer's query sees the W latest positions, itself included
+    sliding_layers: Optional[tuple] = None  # indices of the layers that slide; None = all of them (Mistral)
     torch_dtype: str = "float32"       # the dtype the checkpoint was saved in
 
     @property
@@ -58,8 +56,27 @@ class ModelArgs:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def max_context(self):  # longest context we compute exactly
-        return min(self.max_seq_len, self.sliding_window or self.max_seq_len)
+    def layer_windows(self):  # per layer: W, or None for full attention
+        slides = lambda i: self.sliding_layers is None or i in self.sliding_layers
+        return tuple(self.sliding_window if self.sliding_window and slides(i) else None for i in range(self.n_layers))
+
+    @property
+    def max_context(self):
+        """Longest context we run (transformers enforces none). YaRN: factor x original_max_position_embeddings as
+        vLLM derives it, or max_position_embeddings if longer (Qwen2.5 keeps the trained length there, DeepSeek-V3 the
+        stretched one). Linear and llama3 configs state the stretched length there already (LongChat, Llama 3.1)."""
+        s = self.rope_scaling
+        if s.get("rope_type") == "yarn":
+            return max(self.max_seq_len, int(s["factor"] * s["original_max_position_embeddings"]))
+        return self.max_seq_len
+
+    def with_rope_override(self, kind, factor, orig_ctx=None):
+        """These args as if config.json carried a `kind` rope_scaling block (replacing its own) that stretches orig_ctx
+        positions (default: max_position_embeddings) by `factor`, and max_position_embeddings = factor x orig_ctx.
+        YaRN takes transformers' defaults, llama3 Llama 3.1's bands (see rope.override_block)."""
+        orig = self.max_seq_len if orig_ctx is None else orig_ctx
+        block = override_block(kind, factor, orig)
+        return dataclasses.replace(self, rope_scaling=block, max_seq_len=int(factor * orig))
 
     def kv_bytes_per_token(self, dtype):  # K and V, all layers
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -86,30 +103,11 @@ class ModelArgs:
                 refuse(f"{key}={cfg[key]} means a mixture of experts")
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             refuse(f"partial_rotary_factor={cfg['partial_rotary_factor']} is not 1.0")
-        # RoPE: 5.x keeps everything in rope_parameters, 4.x has rope_theta plus an optional rope_scaling
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        if "sliding_attention" in rope or "full_attention" in rope:
-            refuse("per-layer-type rope_parameters are not supported")
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ROPE_TYPES:
-            refuse(f"rope type {rope_type!r} (rope_scaling / rope_parameters) is not one of {ROPE_TYPES}")
-        rope["rope_type"] = rope_type
-        if rope_type != "default" and not rope.get("factor"):
-            refuse(f"rope type {rope_type!r} needs a 'factor'")
-        if rope_type == "llama3":
-            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                if key not in rope:
-                    refuse(f"rope type 'llama3' needs '{key}'")
-        # Qwen2 keeps sliding_window filled in even when use_sliding_window is false; Mistral uses it if set
-        window = cfg.get("sliding_window")
-        if arch == "qwen2":
-            if cfg.get("use_sliding_window"):
-                refuse(f"use_sliding_window=true (sliding_window={window}) is a sliding-window attention")
-            window = None
-        layer_types = cfg.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types) and arch != "mistral":
-            refuse(f"layer_types={sorted(set(layer_types))} has layers without full attention")
+        try:
+            theta, rope = rope_from_config(cfg)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        window, sliding_layers = _sliding_window(cfg, arch, path)
         n_heads = cfg["num_attention_heads"]
         n_kv = cfg.get("num_key_value_heads") or n_heads
         if n_heads % n_kv:
@@ -120,29 +118,49 @@ class ModelArgs:
             arch=arch, dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
             head_dim=head_dim, hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg.get("max_position_embeddings", 2048),
-            rope_theta=float(theta), rope_scaling=rope if rope_type != "default" else {},
+            rope_theta=float(theta), rope_scaling=rope,
             qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=window, torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            sliding_window=window, sliding_layers=sliding_layers,
+            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         )
 
 
-def rope_inv_freq(args):
-    """Inverse frequencies [D/2] of RoPE, with linear or llama3 scaling, as transformers computes them."""
-    d = args.head_dim
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = args.rope_scaling
-    if s.get("rope_type") == "linear":
-        inv_freq = inv_freq / s["factor"]
-    elif s.get("rope_type") == "llama3":
-        factor, lo, hi, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)  # long wavelengths: slow down
-        smooth = (old_len / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled                 # in between: interpolate
-        medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    return inv_freq
+def _sliding_window(cfg, arch, path):
+    """(W, sliding layer indices or None for all) as transformers 5.x applies a config: Mistral masks every layer
+    with sliding_window (null: none) and ignores layer_types; Qwen2 slides only with use_sliding_window, on the
+    layers layer_types marks "sliding_attention" or, without layer_types, on layers >= max_window_layers; Llama
+    has no sliding window."""
+    window, n_layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    layer_types = cfg.get("layer_types")
+    if arch == "llama":
+        if any(t != "full_attention" for t in layer_types or []):
+            raise CheckpointError(f"{path}: layer_types={sorted(set(layer_types))} has layers without full attention, "
+                                  "which a Llama model does not; use a Qwen2 or Mistral checkpoint for sliding windows")
+        return None, None
+    sliding = None
+    if arch == "qwen2":
+        window = window if cfg.get("use_sliding_window") else None
+        if layer_types is not None:
+            if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
+                raise CheckpointError(f"{path}: layer_types must list 'full_attention' or 'sliding_attention' for each "
+                                      f"of the {n_layers} layers, not {layer_types}")
+            sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+            if sliding and window is None:  # transformers raises on the first forward call
+                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but use_sliding_window is "
+                                      "false or sliding_window is null; set both, or mark every layer full_attention")
+        else:
+            sliding = tuple(range(cfg.get("max_window_layers", 28), n_layers))
+        window = window if sliding else None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise CheckpointError(f"{path}: field 'sliding_window' must be a positive integer or null, not {window!r}")
+    return window, (sliding if window else None)
+
+
+def sliding_mask(T, window, device):
+    """[T, T] bool, True where query q may see key k: k <= q and q - k < window (transformers' sliding mask)."""
+    q, k = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None, :]
+    return (k <= q) & (q - k < window)
 
 
 def apply_rope(x, cos, sin):
@@ -175,21 +193,28 @@ class Attention(nn.Module):
         self.wk = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wv = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wo = nn.Linear(H * D, E, bias=args.o_bias)
+        self.n_local_heads, self.n_local_kv_heads = H, G  # the heads this process holds; tp.py lowers them
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial wo output
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
-        H, G, D = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
+        H, G, D = self.n_local_heads, self.n_local_kv_heads, self.args.head_dim
         q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:  # the reference: every position attends to all earlier ones, nothing is kept
-            k = k.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
-            v = v.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        if cache is None:  # the reference: every position attends to all earlier ones (in its window), nothing is kept
+            k = k.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
+            v = v.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
+            window = self.args.layer_windows[layer]
+            if window is None or T <= window:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_mask(T, window, x.device))
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        y = self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class FeedForward(nn.Module):
@@ -198,9 +223,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate_proj
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up_proj
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down_proj
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial w2 output
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class Block(nn.Module):
@@ -227,6 +254,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2] fp32
+        self.attention_factor = rope_attention_factor(args)
 
     def forward(self, tokens, cache=None, last_only=False):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and the output
@@ -234,14 +262,15 @@ class Transformer(nn.Module):
         at position cache.length."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        if self.args.sliding_window and start + T > self.args.sliding_window:  # past it, the model masks far keys
-            raise ValueError(f"position {start + T} is past sliding_window={self.args.sliding_window} of config.json; "
-                             "sliding-window attention is not implemented, so longer contexts are refused")
+        if cache is not None and self.args.sliding_window and cache.windows != self.args.layer_windows:
+            raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers slide with "
+                             f"{self.args.layer_windows}; build the cache with kvcache.make_cache(model, ...)")
         pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)                   # [T, D/2], fp32 as in transformers
         emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
         x = self.tok_embeddings(tokens)                           # [B, T, E]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)   # [T, D]
+        a = self.attention_factor                                 # YaRN's scale (else 1.0), in fp32 as transformers
+        cos, sin = (emb.cos() * a).to(x.dtype), (emb.sin() * a).to(x.dtype)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
         if last_only:
@@ -249,9 +278,13 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)).float()                  # [B, T, V], fp32 for sampling
 
     @classmethod
-    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32):
-        """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the weights)."""
+    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None):
+        """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the weights).
+        rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained context, see
+        ModelArgs.with_rope_override."""
         args = ModelArgs.from_config(read_json(os.path.join(ckpt_dir, "config.json")), os.path.join(ckpt_dir, "config.json"))
+        if rope_override is not None:
+            args = args.with_rope_override(*rope_override)
         with torch.device("meta"):
             model = cls(args)
         params = dict(model.named_parameters(remove_duplicate=False))
@@ -318,57 +351,3 @@ def hf_to_ours(hf_name, args):
 
 def ours_to_hf(name):
     return _translate(name, _REVERSE_MAP) or name
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        ckpt_dir = os.path.dirname(path) or "."
-        gguf = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".gguf")) if os.path.isdir(ckpt_dir) else []
-        if gguf and os.path.basename(path) == "config.json":  # a llama.cpp download: say how to get safetensors
-            raise CheckpointError(
-                f"{ckpt_dir} holds {gguf[0]}, a llama.cpp file; this project loads Hugging Face safetensors "
-                "checkpoints: download the original model, or convert it with transformers "
-                f"(pip install gguf; AutoModelForCausalLM.from_pretrained(\"{ckpt_dir}\", gguf_file=\"{gguf[0]}\")"
-                ".save_pretrained(OUT), and the same for AutoTokenizer)") from None
-        raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, not {type(obj).__name__}")
-    return obj
-
-
-def checkpoint_files(ckpt_dir):
-    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index names."""
-    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: has no 'weight_map'")
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json "
-                              "(only safetensors checkpoints are loaded; convert .bin files with transformers first)")
-    paths = [os.path.join(ckpt_dir, f) for f in files]
-    for p in paths:
-        if not os.path.exists(p):
-            raise CheckpointError(f"{p}: shard named in the index is missing")
-    return paths
-
-
-def iter_checkpoint(ckpt_dir):
-    """Yield (name, tensor, file) one tensor at a time, so only one tensor is held beyond the model."""
-    for path in checkpoint_files(ckpt_dir):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name), path
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors reports truncation and corruption with its own error types
-            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupt") from None

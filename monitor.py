@@ -4,7 +4,8 @@ What a long job is doing: process memory, a trace with one event per step, alert
     --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated" (CUDA: the allocator's; CPU: the
                            KV bytes on the device tier), "device_peak", "host_rss",
                            "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved since the task's last
-                           event, "chunks": {device, host, disk}}, plus {"alert": ...} events
+                           event (and window_skipped: KV bytes outside every sliding window, so not read at all),
+                           "chunks": {device, host, disk}}, plus {"alert": ...} events
     alerts (stderr + trace): a task running over 2x the time that the finished tasks' mean rates (seconds per
     prompt token, per generated token) give for the work it has done; host memory over 80% of the machine's RAM
     (the job is about to swap); offload configured but no chunk leaving the device once the context has outgrown

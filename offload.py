@@ -17,9 +17,9 @@ The store's verbs, in the order generate.forward calls them:
     release(l, j) attention is done with it; its staging slot may be refilled
     seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
     close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (the host tier and the pinned bounce buffers), Staging (device slots filled
-ahead of attention), a reader thread (disk reads, zstd) and a writer thread (disk writes and the syncs a
-manifest needs: on a thread of their own so that a chunk boundary never delays the next step's prefetch).
+Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots filled ahead of
+attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread (disk writes, the syncs a
+manifest needs), apart so that a chunk boundary never delays the next prefetch.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
 silently, so every wait is marked in the code as "rule N":
@@ -29,14 +29,15 @@ silently, so every wait is marked in the code as "rule N":
     4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
        only after the copy out of it has finished;
     5. a device buffer given back to the pool is reused only after the copy out of it has finished.
-Evictions (device to host) run on their own stream, prefetches (host to device) on another, so neither queues
-behind the other. On CPU there are no streams: "device" and host are the same memory. Without compression, host
-chunks and raw disk chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages
-belong to the page cache, not to the process); with zstd, the reader decompresses disk chunks (and copies host
-chunks) into staging slots ahead of attention.
+Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues behind the other.
+On CPU there are no streams ("device" and host are one memory): without zstd, host and raw disk chunks are read in
+place (a disk chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
+decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
 """
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,13 +48,10 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
+from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda  # noqa: F401
 
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
-
-
-class OffloadError(RuntimeError):
-    """The offload tiers cannot hold or move what they must; the message names the flag or path."""
 
 
 @dataclass
@@ -65,76 +63,6 @@ class OffloadConfig:
     compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
     keep_files: bool = False             # keep the task's directory after success (it is always kept on failure)
-
-
-def on_cuda(device):
-    """Whether the store drives CUDA streams and pinned memory for `device`. The emulated CUDA tests patch this one
-    function, so that the CUDA path runs (and is checked for races) on CPU tensors."""
-    return torch.device(device).type == "cuda"
-
-
-@dataclass(frozen=True)
-class Loc:
-    """Where a sealed chunk lives: on the device, in slot `slot` of the host pool, or on disk."""
-    tier: str       # "device" | "host" | "disk"
-    slot: int = -1  # host pool slot, for the host tier
-
-
-DEVICE, DISK = Loc("device"), Loc("disk")
-
-
-@dataclass
-class Fence:
-    """What must finish before a buffer is reused: a copy out of it (a CUDA event) and/or a disk write (a future)."""
-    event: Optional[object] = None
-    future: Optional[Future] = None
-
-
-def alloc_chunks(n, shape, dtype, device):
-    """(flat buffer, n chunk tensors carved from it), each chunk starting on an ALIGN boundary, so that a chunk has
-    the same alignment in every tier and every kernel sees identically laid out inputs."""
-    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    slot = round_up(nbytes, ALIGN)
-    flat = torch.empty(max(n, 1) * slot + ALIGN, dtype=torch.uint8, device=device)
-    base = (-flat.data_ptr()) % ALIGN                        # the allocator's own alignment may be less than a page
-    return flat, [flat[base + i * slot:base + i * slot + nbytes].view(dtype).view(shape) for i in range(n)]
-
-
-class HostPool:
-    """`n` chunk slots in host memory, allocated once. With pin=True their exact bytes are page-locked by registering
-    them with the CUDA driver, and unregistered at close(): torch's pinned allocator would round each request up to
-    a power of two and keep it pinned until the process exits (a 9 GiB budget would pin 16 GiB, for good)."""
-
-    def __init__(self, n, shape, dtype, pin):
-        self.flat, self.slots = alloc_chunks(n, shape, dtype, "cpu")
-        self.free = list(range(n - 1, -1, -1))
-        self.pinned_bytes = 0
-        if pin and n:
-            self.pinned_bytes = self.flat.numel()
-            if int(torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.pinned_bytes, 1)) != 0:
-                raise OffloadError(f"cannot pin {self.pinned_bytes / 2**30:.2f} GiB of host memory for the host "
-                                   "tier; lower --cpu-budget (or raise the locked-memory limit, ulimit -l)")
-
-    def close(self):
-        if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
-            self.pinned_bytes = 0
-
-
-class Staging:
-    """`n` device slots that prefetched chunks land in, in attention's order, a few chunks ahead of it. On CUDA each
-    slot has an event recorded when its copy is issued (ready) and one recorded when attention is done with it
-    (released); both are recorded once at creation so that the first wait on them waits for nothing pending."""
-
-    def __init__(self, n, shape, dtype, device, cuda):
-        self.flat, self.slots = alloc_chunks(n, shape, dtype, device)
-        self.free = list(range(n - 1, -1, -1))
-        self.queue, self.inflight = deque(), deque()   # (layer, j) to stage; (layer, j, slot, future) staged
-        if cuda:
-            self.ready = [torch.cuda.Event() for _ in range(n)]
-            self.released = [torch.cuda.Event() for _ in range(n)]
-            for e in self.ready + self.released:
-                e.record()
 
 
 # -----------------------------------------------------------------------------
@@ -161,7 +89,8 @@ class TieredStore:
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.n_chunks = -(-max_length // C)                                  # chunks per layer for max_length
         self.window = self.n_chunks if cfg.mode == "none" else cfg.window
-        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0}
+        self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0,
+                      "window_skipped": 0}  # outside every query's sliding window: never read at all
         self.count_lock = threading.Lock()
 
         # the device tier: each layer's open chunk, the window, buffers given back by evictions
@@ -184,11 +113,15 @@ class TieredStore:
         # the disk tier and its two threads: the reader (prefetch) and the writer (writes, then syncs)
         self.disk, self.written, self.checksums = None, {}, {}  # written: (layer, j) -> future of its disk write
         self.on_durable, self.disk_prefix, self.durable = on_durable, 0, None  # chunks < disk_prefix: on disk
+        self.own_dir = None  # a directory of our own when no task gave one: removed at close()
         if cfg.mode == "disk":
+            if disk_path is None:
+                os.makedirs(cfg.offload_dir, mode=0o700, exist_ok=True)
+                disk_path = self.own_dir = tempfile.mkdtemp(prefix="kv-", dir=cfg.offload_dir)
             blobs = {(l, int(j)): tuple(c["blob"][l]) for j, c in (restore or {}).items() if c.get("blob")
                      for l in range(n_layers)}
-            self.disk = DiskTier(disk_path or os.path.join(cfg.offload_dir, "task"), n_layers, self.n_chunks,
-                                 shape, dtype, cfg.compress, restore=blobs if restore else None)
+            self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype, cfg.compress,
+                                 restore=blobs if restore else None)
         offloading = cfg.mode != "none"
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None
@@ -208,7 +141,7 @@ class TieredStore:
                 self.bounce_free.put(b)
 
     def _count(self, key, n):
-        with self.count_lock:
+        with self.count_lock:  # the reader, the writer and the main thread all count
             self.bytes[key] += n
 
     # ---- a step: prefetch, open_chunk, load, release ------------------------------------------------------
@@ -221,8 +154,10 @@ class TieredStore:
         while st.inflight:  # a step that failed half-way left copies in flight: let them land first
             st.inflight.popleft()[3].result()
         st.free = list(range(len(st.slots) - 1, -1, -1))
-        order = [(l, j) for l in range(self.n_layers) for j in range(first[l] if first else 0, n_sealed)
+        first = first or [0] * self.n_layers
+        order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
                  if self.loc[(l, j)] is not DEVICE]
+        self._count("window_skipped", sum(min(f, n_sealed) for f in first) * self.chunk_bytes)  # wherever they live
         if self.staged:
             st.queue = deque(order)
             self._pump()
@@ -400,9 +335,22 @@ class TieredStore:
         self.disk_prefix = n
         return n
 
+    def read_back(self, l, j, dst):
+        """Copy sealed chunk (l, j) into the host tensor dst, wherever it lives, and wait for it: the persistent KV
+        store (kvstore.py) keeps prompt chunks this way. Synchronous, and never part of attention's schedule."""
+        where = self.loc[(l, j)]
+        if where is DEVICE:
+            dst.copy_(self.resident[(l, j)])  # to pageable memory: the copy waits for the compute that wrote it
+        elif where is DISK:
+            self.written[(l, j)].result()     # the write has landed (or raises its DiskError)
+            self.disk.read_into(l, j, dst)
+        else:
+            if self.cuda:
+                self.evicted[(l, j)].synchronize()  # rule 4: the eviction into the host slot has finished
+            as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
+
     def _event(self, stream):
-        e = torch.cuda.Event()
-        e.record(stream)
+        (e := torch.cuda.Event()).record(stream)
         return e
 
     def _device_buffer(self):
@@ -434,15 +382,13 @@ class TieredStore:
             self.chunk_bytes // self.chunk_size)
         with self.count_lock:
             moved = dict(self.bytes)
-        pinned = self.host.pinned_bytes + (self.read_bounces.pinned_bytes + self.write_bounces.pinned_bytes
-                                           if self.cuda else 0)
+        pinned = sum(p.pinned_bytes for p in (self.host, *((self.read_bounces, self.write_bounces) if self.cuda else ())))
         return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now, "kv_device_bytes_peak": self.peak_device_bytes,
                 "pinned_bytes": pinned, "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
-        for worker in (self.reader, self.writer):
-            if worker is not None:
-                worker.shutdown(wait=True)
+        for worker in filter(None, (self.reader, self.writer)):
+            worker.shutdown(wait=True)
         if self.cuda:
             self.copy_stream.synchronize()   # no copy may still read or write a buffer about to be freed
             self.evict_stream.synchronize()
@@ -450,3 +396,5 @@ class TieredStore:
                 pool.close()
         if self.disk is not None:
             self.disk.close()
+        if self.own_dir and not self.cfg.keep_files:
+            shutil.rmtree(self.own_dir, ignore_errors=True)

@@ -4,6 +4,7 @@ cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks t
 they print is measured the same way.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
@@ -13,6 +14,7 @@ from kvcache import make_cache
 from monitor import host_memory, process_io
 from offload import on_cuda
 from taskdir import TaskDir
+from tp import Layout, agree_min, broadcast_token
 
 
 def resume_point(manifest, task, chunk_size):
@@ -31,23 +33,33 @@ def resume_point(manifest, task, chunk_size):
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None):
+             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None,
+             kv_dtype="auto"):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
 
-    cfg is an OffloadConfig. on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
+    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
     forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
     fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
     manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
-    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from."""
+    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from.
+    kv_store (a kvstore.KVStore): adopt the longest stored prefix of this prompt's full chunks, and store the
+    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache). Under tensor
+    parallelism (layout, see tp.py) each rank keeps its own store in task_<id>/rank<r>/, the ranks resume together
+    from the shortest prefix they all vouch for, and rank 0's sampled token is everyone's."""
     device = model.tok_embeddings.weight.device
-    taskdir = TaskDir(cfg.offload_dir, task_id) if cfg.mode == "disk" else None
+    layout = layout or Layout.single()
+    taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
+    if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
+        fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
     task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
-            "chunk_size": chunk_size, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
+            "chunk_size": chunk_size, "kv_dtype": kv_dtype, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
             "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
+    n_restore = agree_min(n_restore, layout)  # the ranks of a replica step together: same prefix, same replay
+    replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the writer thread
 
     def durable(n, chunks):  # writer thread: chunks 0..n-1 are synced; vouch for them
@@ -58,28 +70,47 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     stream = torch.cuda.Stream(device) if on_cuda(device) else None
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            cache = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
-                               restore=manifest["chunks"] if n_restore else None,
-                               on_durable=durable if taskdir and fingerprint else None)
-            if n_restore:  # positions past the restored chunks are recomputed, the replayed tokens fed again
-                restored = cache.store.restore(n_restore, manifest["chunks"])
-                if restored < n_restore and log:
-                    log(f"task {task_id}: chunk {restored} is missing or fails its checksum; recomputing from there")
-                cache.length = restored * chunk_size
+            def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
+                c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
+                               restore=manifest["chunks"] if n else None,
+                               on_durable=durable if taskdir and fingerprint else None, kv_dtype=kv_dtype)
+                return c, c.store.restore(n, manifest["chunks"]) if n else 0
+            cache, restored = open_cache(n_restore)
+            agreed = agree_min(restored, layout)
+            if agreed < restored:  # another rank's store vouches for fewer chunks: reopen ours at that prefix
+                cache.store.close()
+                cache = None
+                cache, restored = open_cache(agreed)
+            if restored < n_restore and log:
+                log(f"task {task_id}: chunk {restored} is missing or fails its checksum"
+                    f"{' on some rank' if layout.tp > 1 else ''}; recomputing from there")
+            cache.length = restored * chunk_size
             resumed_from = cache.length
+            prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model) if kv_store else None
+            if prompt_cache:
+                prompt_cache.adopt(cache)
+
+            def step(phase, logits, cache):
+                if prompt_cache and phase == "prefill":
+                    prompt_cache.store_sealed(cache)
+                if on_step:
+                    on_step(phase, logits, cache)
             new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                                        out=out, on_token=on_token, on_step=on_step, stream=stream)
+                                        out=out, on_token=on_token, on_step=step, stream=stream, layout=layout)
+            if prompt_cache:
+                stats.update(prompt_cache.finish())
         ok = True
     finally:
         if cache is not None:
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"] = resumed_from
+    stats["resumed_from"], stats["kv_dtype"] = resumed_from, kv_dtype
     return new, stats
 
 
-def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream):
+def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream,
+                   layout=None):
     """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed tokens on
     entry and the tokens so far as they come; stream is this task's CUDA stream (None on CPU)."""
     peak = {"anon": 0, "rss": 0, "file": 0}
@@ -107,7 +138,8 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
             on_token(new)
 
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
-    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed)
+    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed,
+                   share=None if layout is None or layout.tp == 1 else lambda token: broadcast_token(token, layout))
     snap, io_end = cache.store.snapshot(), process_io()
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return new, {
@@ -130,3 +162,63 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
         "io": {k: io_end[k] - io_start[k] for k in io_end},
         "chunks": snap["chunks"],
     }
+
+
+class PromptCache:
+    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j, positions
+    [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose result depends only on
+    the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit for bit what recomputing it gives.
+    Chunks filled one generated token at a time (a second turn of a dialogue) are never stored."""
+
+    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
+        import kvstore
+        a, s = model.args, cache.store
+        run = kvstore.run_fingerprint(model=fingerprint, dtype=str(s.dtype), device=str(s.device), chunk=s.shape,
+                                      n_layers=a.n_layers, torch=torch.__version__)
+        self.kv, self.store, self.keys = kv_store, s, kvstore.chunk_keys(run, prompt_ids, cache.chunk_size)
+        self.P, self.adopted, self.stored, self.pending = len(prompt_ids), 0, [], None
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")  # fsyncs stay off the critical path
+        self.bytes_read = 0
+
+    def adopt(self, cache):
+        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks and seal them,
+        so they land where this run's --offload and --window put any chunk. At least one prompt token is left
+        to compute: its logits start the decoding."""
+        C, s = cache.chunk_size, self.store
+        n = min(self.kv.lookup(self.keys), (self.P - 1) // C)
+        while cache.n_sealed < n:
+            j = cache.n_sealed
+            host = [s.open_chunk(l) if not s.cuda else torch.empty(s.shape, dtype=s.dtype) for l in range(s.n_layers)]
+            got = self.kv.read(self.keys[j], host)
+            if not got:  # evicted or corrupt since lookup: compute from here on
+                break
+            self.bytes_read += got
+            if s.cuda:
+                for l in range(s.n_layers):
+                    s.open_chunk(l).copy_(host[l])
+            cache.begin(C)
+            cache.commit()
+            s.seal(j)                                 # data: as after a prefill step, the window policy places it
+        self.adopted = cache.n_sealed
+
+    def store_sealed(self, cache):
+        """After a prefill step: a prompt chunk this run computed and has just sealed is stored, once the previous
+        store write has finished (one in flight: at most one chunk of host copies waits)."""
+        j = cache.n_sealed - 1
+        if cache.length % cache.chunk_size or j < self.adopted or j >= len(self.keys):
+            return
+        host = [torch.empty(self.store.shape, dtype=self.store.dtype) for _ in range(self.store.n_layers)]
+        for l, dst in enumerate(host):
+            self.store.read_back(l, j, dst)
+        if self.pending is not None:
+            self.stored.append(self.pending.result())
+        self.pending = self.writer.submit(self.kv.write, self.keys[j], host)
+
+    def finish(self):
+        """Wait for the last store write; the task's reuse statistics."""
+        if self.pending is not None:
+            self.stored.append(self.pending.result())
+        self.writer.shutdown(wait=True)
+        C = self.store.chunk_size
+        return {"reused_tokens": self.adopted * C, "stored_tokens": sum(n > 0 for n in self.stored) * C,
+                "store_bytes_read": self.bytes_read, "store_bytes_written": sum(self.stored)}

@@ -34,9 +34,11 @@ import bench
 import probe
 from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args, remove_if_empty
 from disk import ALIGN, DiskError, round_up
+from kvcache import kv_bytes_per_token
 from model import CheckpointError, Transformer
 from monitor import mem_available
 from offload import OffloadConfig, OffloadError
+from random_model import PRESETS, build_random_checkpoint, parse_model_spec
 from taskdir import TaskDirError
 
 CHUNKS = (128, 256, 512, 1024)   # step 1's grid, cut at the context
@@ -76,16 +78,22 @@ class Candidate:
 # -----------------------------------------------------------------------------
 # the plan: what a configuration puts in each tier, from the model's shape alone
 
-def slot(margs, dtype, C):
-    """Bytes of one chunk, [2, B, G, C, D], as the tiers allocate it (aligned)."""
-    return round_up(margs.kv_bytes_per_token(dtype) // margs.n_layers * C, ALIGN)
+def chunk_bytes(margs, args, C):
+    """Bytes of one chunk of one layer: K and V of C positions (with --kv-dtype int8, its scales too)."""
+    return kv_bytes_per_token(margs, DTYPES[args.dtype], args.kv_dtype) // margs.n_layers * C
 
 
-def plan(c, margs, dtype, context, new_tokens, cuda):
-    """Fill c.kv and c.staged as offload.TieredStore will allocate them for context + new_tokens positions."""
-    L, n, slot_b = margs.n_layers, -(-(context + new_tokens) // c.chunk_size), slot(margs, dtype, c.chunk_size)
+def slot(margs, args, C):
+    """A chunk as the tiers allocate it, aligned."""
+    return round_up(chunk_bytes(margs, args, C), ALIGN)
+
+
+def plan(c, margs, args, cuda):
+    """Fill c.kv and c.staged as offload.TieredStore will allocate them for args.context + args.new_tokens positions
+    of args.dtype and args.kv_dtype."""
+    L, n = margs.n_layers, -(-(args.context + args.new_tokens) // c.chunk_size)
+    slot_b, c.chunk_bytes = slot(margs, args, c.chunk_size), chunk_bytes(margs, args, c.chunk_size)
     c.staged = c.offload != "none" and (cuda or c.compress == "zstd")
-    c.chunk_bytes = margs.kv_bytes_per_token(dtype) // L * c.chunk_size
     if c.offload == "none":
         c.kv = {"device": L * n * slot_b, "host": 0, "disk": 0}
         return c
@@ -99,29 +107,29 @@ def plan(c, margs, dtype, context, new_tokens, cuda):
 
 def candidates(margs, args, cuda):
     """Steps 1-3: every chunk size, window, tier and compression the budgets allow; pruned ones carry why."""
-    dt, ctx, new = DTYPES[args.dtype], args.context, args.new_tokens
+    ctx, new = args.context, args.new_tokens
     dev, host = args.device_budget * 2**30, args.cpu_budget * 2**30
     out = []
     for C in args.chunk_sizes:
-        none = plan(Candidate(C, -(-(ctx + new) // C), "none"), margs, dt, ctx, new, cuda)
+        none = plan(Candidate(C, -(-(ctx + new) // C), "none"), margs, args, cuda)
         if none.kv["device"] <= dev:  # the whole KV fits: nothing to offload
             out.append(none)
             continue
         for compress in ("none", "zstd"):
             S, L = OffloadConfig.staging_slots if cuda or compress == "zstd" else 0, margs.n_layers
-            w_max = min((int(dev // slot(margs, dt, C)) - S) // L - 1, none.window - 2)  # >= 1 chunk must leave
+            w_max = min((int(dev // slot(margs, args, C)) - S) // L - 1, none.window - 2)  # >= 1 chunk must leave
             if w_max < 0:
-                least = (L + S) * slot(margs, dt, C) / MiB  # window 0: the open chunks (and staging slots)
+                least = (L + S) * slot(margs, args, C) / MiB  # window 0: the open chunks (and staging slots)
                 out.append(Candidate(C, 0, "disk", compress, step=2 + (compress == "zstd"), pruned=f"window 0 "
                                      f"takes {least:.1f} MiB of device KV, over the budget"))
                 continue
             for w in sorted({min(1, w_max), w_max}):
-                c = plan(Candidate(C, w, "cpu", cpu_budget=args.cpu_budget), margs, dt, ctx, new, cuda)
+                c = plan(Candidate(C, w, "cpu", cpu_budget=args.cpu_budget), margs, args, cuda)
                 if compress == "none" and c.kv["host"] <= host:
                     out.append(c)
                 elif c.kv["host"] > host:  # the tier step: cpu does not fit, disk with a host tier in front
                     out.append(plan(Candidate(C, w, "disk", compress, cpu_budget=args.cpu_budget, step=2 + (
-                        compress == "zstd")), margs, dt, ctx, new, cuda))
+                        compress == "zstd")), margs, args, cuda))
     return out
 
 
@@ -135,11 +143,9 @@ def as_args(args, c):
 # the search
 
 def search(model, margs, args, log):
-    cuda, dt, ctx = probe.is_cuda(args.device), DTYPES[args.dtype], args.context
-    weights = bench.weight_bytes(model)
+    cuda, ctx, weights = probe.is_cuda(args.device), args.context, bench.weight_bytes(model)
     cands = candidates(margs, args, cuda)
-    zstd = any(c.compress == "zstd" for c in cands)
-    free = shutil.disk_usage(args.offload_dir).free
+    zstd, free = any(c.compress == "zstd" for c in cands), shutil.disk_usage(args.offload_dir).free
     sizes = sorted({c.chunk_size for c in cands if not c.pruned})
     cals, pfits = {C: [] for C in sizes}, {C: [] for C in sizes}
     t = time.perf_counter()
@@ -147,7 +153,7 @@ def search(model, margs, args, log):
         for C in sizes[::1 if rnd == 0 else -1]:
             first = next(c for c in cands if c.chunk_size == C and not c.pruned)
             cals[C].append(probe.calibrate(model, as_args(args, first), [ctx], ["disk+zstd"] if zstd else []))
-            pfits[C].append(probe.prefill_fit(model, ctx, C))
+            pfits[C].append(probe.prefill_fit(model, ctx, C, args.kv_dtype))
     log(f"calibrated chunk sizes {sizes} in {time.perf_counter() - t:.1f}s")
     for c in (c for c in cands if not c.pruned):
         cal, fit = probe.median_of(cals[c.chunk_size]), [statistics.median(x) for x in zip(*pfits[c.chunk_size])]
@@ -169,9 +175,8 @@ def search(model, margs, args, log):
             _, st = bench.run_ours(model, ids, as_args(args, c), c.mode, f"tune_{len(c.runs)}_{id(c)}")
             st["device_kv_bytes"] = st["peak_device_bytes"] - weights
             c.runs.append(st)
-            d, p = st["decode_tokens_per_s"], st["prefill_tokens_per_s"]
-            log(f"{why}: chunk {c.chunk_size} window {c.window} {c.mode} slots {c.staging_slots}: decode {d:,.1f}, "
-                f"prefill {p:,.1f} tok/s, load {os.getloadavg()[0]:.2f}")
+            log(f"{why}: chunk {c.chunk_size} window {c.window} {c.mode} slots {c.staging_slots}: decode "
+                f"{st['decode_tokens_per_s']:,.1f} tok/s, load {os.getloadavg()[0]:.2f}")
     measure(sorted((c for c in live if not c.pruned), key=lambda c: -c.pred_decode), "measure")
     for rep in range(args.repeats - 1):  # the close ones again, in reverse order, so that drift hits them alike
         best = max(c.measured("decode_tokens_per_s") for c in cands if c.runs)
@@ -182,14 +187,13 @@ def search(model, margs, args, log):
     win = choose(cands, args)[0]
     if win.staged:
         more = []
-        for s in SLOTS:
-            if s != win.staging_slots:
-                c = plan(Candidate(win.chunk_size, win.window, win.offload, win.compress, win.cpu_budget, s, step=4),
-                         margs, dt, ctx, args.new_tokens, cuda)
-                c.pred_decode, c.pred_prefill = win.pred_decode, win.pred_prefill  # slots are not in the model
-                if c.kv["device"] > args.device_budget * 2**30:
-                    c.pruned = f"{s} staging slots take the device KV to {c.kv['device'] / MiB:.1f} MiB, over budget"
-                more.append(c)
+        for s in [s for s in SLOTS if s != win.staging_slots]:
+            c = plan(Candidate(win.chunk_size, win.window, win.offload, win.compress, win.cpu_budget, s, step=4),
+                     margs, args, cuda)
+            c.pred_decode, c.pred_prefill = win.pred_decode, win.pred_prefill  # slots are not in the model
+            if c.kv["device"] > args.device_budget * 2**30:
+                c.pruned = f"{s} staging slots take the device KV to {c.kv['device'] / MiB:.1f} MiB, over budget"
+            more.append(c)
         cands += more
         for _ in range(args.repeats):
             measure([c for c in more if not c.pruned], "prefetch")
@@ -236,6 +240,7 @@ def command(c, args):
     cmd += ["--staging-slots", c.staging_slots] if c.staged else []
     cmd += ["--offload-dir", args.offload_dir] if c.offload == "disk" else []
     cmd += ["--device", args.device, "--dtype", args.dtype] + (["--threads", args.threads] if args.threads else [])
+    cmd += ["--kv-dtype", args.kv_dtype] if args.kv_dtype != "auto" else []
     return " ".join(shlex.quote(str(x)) for x in cmd + ["--max-new-tokens", args.new_tokens])
 
 
@@ -263,8 +268,7 @@ def steps(cands, rec, margs, args):
     """One line per tuning step, in the order above: what was decided and what the measurements said."""
     dec, gib = (lambda c: c.measured("decode_tokens_per_s")), (lambda x: f"{x * 2**30 / MiB:,.1f} MiB")  # noqa: E731
     by_c = {C: [dec(c) for c in cands if c.chunk_size == C and c.runs] for C in sorted({c.chunk_size for c in cands})}
-    whole = plan(Candidate(rec.chunk_size, 0, "none"), margs, DTYPES[args.dtype], args.context, args.new_tokens,
-                 probe.is_cuda(args.device)).kv["device"] / 2**30
+    whole = plan(Candidate(rec.chunk_size, 0, "none"), margs, args, probe.is_cuda(args.device)).kv["device"] / 2**30
     z = [c for c in cands if c.compress == "zstd"]
     slots = sorted((c.staging_slots, dec(c)) for c in cands if c.runs and c.staged and (c.chunk_size, c.window,
                    c.mode) == (rec.chunk_size, rec.window, rec.mode))
@@ -306,7 +310,7 @@ def build_parser():
                    "(default %(default)s)")
     p.add_argument("--repeats", type=int, default=2, help="runs of the configurations within 60%% of the best "
                    "(default %(default)s)")
-    p.add_argument("--random-model", metavar="SPEC", help=f"tune a random model: a preset {sorted(bench.PRESETS)} "
+    p.add_argument("--random-model", metavar="SPEC", help=f"tune a random model: a preset {sorted(PRESETS)} "
                    "and/or dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
 
     def one_line_error(message):
@@ -318,8 +322,7 @@ def build_parser():
 
 def check(args):
     if args.chunk_size is not None or args.window is not None or args.staging_slots != OffloadConfig.staging_slots:
-        raise UsageError("--chunk-size, --window and --staging-slots are what --tune picks; give step 1's grid "
-                         "with --chunk-sizes")
+        raise UsageError("--chunk-size, --window and --staging-slots are what --tune picks; give --chunk-sizes")
     try:
         sizes = sorted({int(x) for x in args.chunk_sizes.split(",") if x.strip()})
     except ValueError:
@@ -335,7 +338,7 @@ def check(args):
     args.staging_slots = OffloadConfig.staging_slots
     check_common(args, needs_disk=True)
     if args.random_model:
-        args.sizes = bench.parse_model_spec(args.random_model)
+        args.sizes = parse_model_spec(args.random_model)
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the "
                              "new model; give a new directory")
@@ -352,31 +355,28 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
         dt = DTYPES[args.dtype]
         if args.random_model:
-            args.ckpt = bench.build_random_checkpoint(args.sizes, args.ckpt or tempfile.mkdtemp(prefix="tune-model-"),
-                                                      dt, args.device)
-            log(f"random model written to {args.ckpt} (kept: the command below uses it" + (
-                ")" if args.sizes["vocab"] >= 256 else "; with a vocabulary under 256 it has no tokenizer)"))
+            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tempfile.mkdtemp(prefix="tune-model-"), dt,
+                                                args.device)
+            log(f"random model written to {args.ckpt} (kept: the command below uses it)")
         args.ckpt = args.ckpt or bench.DEMO_CKPT
         margs = read_model_args(args.ckpt)
         if args.context + args.new_tokens > margs.max_context:
             raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt)
-        if args.device_budget is None:
-            free = torch.cuda.mem_get_info(torch.device(args.device))[0] if probe.is_cuda(args.device) else None
-            args.device_budget = (0.9 * free if free else mem_available() / 2) / 2**30
-        if args.cpu_budget is None:
-            args.cpu_budget = mem_available() / 2 / 2**30
+        free = 0.9 * torch.cuda.mem_get_info(args.device)[0] if probe.is_cuda(args.device) else mem_available() / 2
+        args.device_budget = args.device_budget or free / 2**30  # defaults: see the flags' help
+        args.cpu_budget = mem_available() / 2 / 2**30 if args.cpu_budget is None else args.cpu_budget
         t = time.perf_counter()
         cands = search(model, margs, args, log)
         rec, fastest, why = choose(cands, args)
-    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
+    except (ValueError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:  # ValueError: UsageError too
         print(f"bench.py --tune: error: {e}", file=sys.stderr)
         return 2
     finally:
         if getattr(args, "created_offload_dir", False):
             remove_if_empty(args.offload_dir)  # as generate.py does: the printed command creates it again
-    kv_total = (args.context + args.new_tokens) * margs.kv_bytes_per_token(dt)
+    kv_total = (args.context + args.new_tokens) * kv_bytes_per_token(margs, dt, args.kv_dtype)
     print(f"{args.ckpt}: {margs.n_layers} layers x {margs.n_kv_heads} kv heads x {margs.head_dim}, {args.dtype} on "
           f"{args.device}, context {args.context} + {args.new_tokens} new: {kv_total / MiB:,.1f} MiB of KV; budgets: "
           f"device {args.device_budget * 2**30 / MiB:,.1f} MiB, host {args.cpu_budget * 2**30 / MiB:,.1f} MiB; "
@@ -385,9 +385,9 @@ def main(argv=None):
     print(table(cands) + "\n")
     print("\n".join(steps(cands, rec, margs, args)))
     print(f"recommended: {why}\n{command(rec, args)}")
-    rec_cfg = {"chunk_size": rec.chunk_size, "window": rec.window if rec.offload != "none" else None,
-               "offload": rec.offload, "compress": rec.compress, "cpu_budget": rec.cpu_budget,
-               "staging_slots": rec.staging_slots if rec.staged else None}
+    rec_cfg = {"chunk_size": rec.chunk_size, "window": rec.window if rec.offload != "none" else None, "offload":
+               rec.offload, "compress": rec.compress, "cpu_budget": rec.cpu_budget, "staging_slots": rec.staging_slots
+               if rec.staged else None}
     measured = {k: rec.measured(k) for k in ("decode_tokens_per_s", "prefill_tokens_per_s", "device_kv_bytes",
                                              "peak_host_rss_bytes", "peak_host_anon_bytes")} | {
         "predicted_decode_tokens_per_s": rec.pred_decode, "kv_bytes_planned": rec.kv, "runs": len(rec.runs),

@@ -4,10 +4,13 @@ Proof that offload changes where the bytes of the KV cache live, not the math.
     python verify.py --ckpt DIR --max-new-tokens 32 --chunk-size 64 --window 2 --modes cpu,disk,disk+zstd
 
 Runs greedy generation with --offload none, then with each mode, on the same prompt and chunk size, and compares
-the generated ids and the logits of every forward step with torch.equal. Then it runs the model once, unchunked
+the generated ids and the logits of every forward step with torch.equal. With --kv-store DIR it also runs twice
+through the persistent prompt cache (the second run must reuse stored chunks) and compares both the same way. Then it runs the model once, unchunked
 and uncached (plain causal attention over prompt + generated tokens), and checks that its greedy ids agree and
 reports the largest logit difference (that one is not bit-identical: a different kernel schedule rounds
-differently). Exit 0: all bit-identical; 1: a mismatch (the first differing step is named); 2: bad usage.
+differently). With --kv-dtype int8 every mode is compared with an int8 --offload none (bit-identical all the
+same); the unquantized reference's greedy ids are then reported, not required. Exit 0: all bit-identical; 1: a
+mismatch (the first differing step is named); 2: bad usage.
 """
 import argparse
 import json
@@ -17,10 +20,12 @@ import sys
 import pydoc_data.topics
 import torch
 
-from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
+from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, open_kv_store,
+                 read_model_args)
 from model import CheckpointError, Transformer
 from offload import OffloadConfig, OffloadError
 from task import run_task
+from taskdir import model_fingerprint
 from tokenizer import load_tokenizer
 
 # real English text that every Python installation carries: the reference manual's pages on a few statements
@@ -28,33 +33,36 @@ DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in ("with", "try"
 OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
 
 
-def run_mode(model, tokenizer, ids, max_new, chunk_size, mode, compress, args):
+def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None):
     """Greedy generation; returns (new ids, [(position, phase, logits [V])...], stats)."""
     steps = []
     cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir, compress=compress,
                         cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
     new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
-                          task_id=f"verify_{os.getpid()}_{mode}_{compress}",
+                          task_id=f"verify_{os.getpid()}_{mode}_{compress}", kv_store=kv_store, fingerprint=fingerprint,
+                          kv_dtype=args.kv_dtype,
                           on_step=lambda phase, logits, cache: steps.append((cache.length - 1, phase, logits[0].cpu())))
     return new, steps, stats
 
 
 def compare(base, other):
-    """First difference between two runs, or None: (step, position, phase, what)."""
+    """First difference between two runs, or None: (step, position, phase, what). Steps are matched by position:
+    a run that reused stored prompt chunks (--kv-store) has no prefill steps for them, and must match the rest."""
     (ids_a, steps_a, _), (ids_b, steps_b, _) = base, other
-    for i, ((pos, phase, la), (_, _, lb)) in enumerate(zip(steps_a, steps_b)):
-        if not torch.equal(la, lb):
-            return i, pos, phase, f"logits differ (max |diff| {(la - lb).abs().max().item():.3g})"
-    if len(steps_a) != len(steps_b) or ids_a != ids_b:
+    by_pos = {pos: la for pos, _, la in steps_a}
+    for i, (pos, phase, lb) in enumerate(steps_b):
+        la = by_pos.get(pos)
+        if la is None or not torch.equal(la, lb):
+            what = "a step the reference never ran" if la is None else \
+                f"logits differ (max |diff| {(la - lb).abs().max().item():.3g})"
+            return i, pos, phase, what
+    decode = lambda steps: [pos for pos, phase, _ in steps if phase == "decode"]  # noqa: E731
+    if decode(steps_a) != decode(steps_b) or ids_a != ids_b:
         return len(steps_b), None, "decode", f"generated ids differ: {ids_a} vs {ids_b}"
     return None
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--diagnose" in argv:  # the troubleshooting chains, on one configuration: doctor.py parses its flags
-        import doctor
-        return doctor.main([a for a in argv if a != "--diagnose"])
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=64, window=2)
@@ -67,6 +75,8 @@ def main(argv=None):
                    "instead (doctor.py; its flags: verify.py --diagnose -h)")
     args = p.parse_args(argv)
     try:
+        if args.diagnose:  # handed over to doctor.py by the script entry below, before this parser runs
+            raise UsageError("--diagnose is the command line's: run python verify.py --diagnose ..., or doctor.main()")
         args.ckpt = args.ckpt or DEMO_CKPT
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in OFFLOAD_MODES]
@@ -80,6 +90,7 @@ def main(argv=None):
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         margs = read_model_args(args.ckpt)
+        kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt cannot be encoded")
@@ -95,9 +106,14 @@ def main(argv=None):
                              f"({args.window} chunks of {args.chunk_size} plus the open one): nothing would be "
                              "offloaded, so nothing would be verified; lower --chunk-size or --window")
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
-        runs = {"none": run_mode(model, tokenizer, ids, args.max_new_tokens, args.chunk_size, "none", "none", args)}
+        runs = {"none": run_mode(model, ids, args.max_new_tokens, args.chunk_size, "none", "none", args)}
         for m in modes:
-            runs[m] = run_mode(model, tokenizer, ids, args.max_new_tokens, args.chunk_size, *MODE_SPECS[m], args)
+            runs[m] = run_mode(model, ids, args.max_new_tokens, args.chunk_size, *MODE_SPECS[m], args)
+        if kv_store:  # the first run stores what the store lacks, the second must reuse it: both against none
+            fp = model_fingerprint(args.ckpt)
+            for m in ("store", "reuse"):
+                runs[m] = run_mode(model, ids, args.max_new_tokens, args.chunk_size, *MODE_SPECS[modes[-1]], args,
+                                   kv_store=kv_store, fingerprint=fp)
     except (UsageError, CheckpointError, OffloadError) as e:
         print(f"verify.py: error: {e}", file=sys.stderr)
         return 2
@@ -111,29 +127,40 @@ def main(argv=None):
     ref_diff = max((ref[pos] - lg).abs().max().item() for pos, _, lg in runs["none"][1])
 
     report, ok = {}, True
-    for m in ["none"] + modes:
+    for m in runs:
         diff = None if m == "none" else compare(runs["none"], runs[m])
         ok &= diff is None
+        st = runs[m][2]
         report[m] = {"bit_identical": diff is None, "first_difference": diff, "tokens": len(runs[m][0]),
-                     "chunks": runs[m][2]["chunks"], "bytes": runs[m][2]["bytes"],
-                     "decode_tokens_per_s": runs[m][2]["decode_tokens_per_s"]}
+                     "chunks": st["chunks"], "bytes": st["bytes"], "decode_tokens_per_s": st["decode_tokens_per_s"],
+                     "reused_tokens": st.get("reused_tokens", 0)}
+    if kv_store and not report["reuse"]["reused_tokens"]:  # nothing reused would prove nothing
+        ok = False
+        report["reuse"]["first_difference"] = (0, None, "prefill", "the second run reused no stored chunk")
     ref_ok = ref_ids == new
-    if args.dtype == "fp32":  # in bf16/fp16 a rounding difference may flip a near-tie: reported, not failed
-        ok &= ref_ok
+    agree = sum(a == b for a, b in zip(ref_ids, new)) / len(new)  # the unquantized model's top-1, along our ids
+    if args.dtype == "fp32" and args.kv_dtype == "auto":  # bf16/fp16 rounding, or int8 KV, may flip a near-tie:
+        ok &= ref_ok                                     # reported, not failed
     if args.json:
         print(json.dumps({"ok": ok, "prompt_tokens": len(ids), "chunk_size": args.chunk_size, "window": args.window,
-                          "modes": report, "unchunked": {"greedy_ids_equal": ref_ok, "max_abs_logit_diff": ref_diff}}))
+                          "kv_dtype": args.kv_dtype, "modes": report,
+                          "unchunked": {"greedy_ids_equal": ref_ok, "top1_agreement": agree,
+                                        "max_abs_logit_diff": ref_diff}}))
     else:
         print(f"prompt {len(ids)} tokens, {args.max_new_tokens} new, chunk {args.chunk_size}, window {args.window}, "
-              f"{args.device} {args.dtype}")
-        print(f"{'mode':<10} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} {'disk read':>12} {'decode tok/s':>13}")
+              f"{args.device} {args.dtype}, KV {args.kv_dtype}")
+        print(f"{'mode':<10} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} {'disk tier read':>14} "
+              f"{'decode tok/s':>13} {'reused':>7}")
         for m, r in report.items():
-            c = r["chunks"]
+            c, b = r["chunks"], r["bytes"]
             verdict = "reference" if m == "none" else "bit-identical" if r["bit_identical"] else "DIFFERENT"
             print(f"{m:<10} {verdict:<20} {c['device']:>5}/{c['host']:>5}/{c['disk']:>5}{'':<5} "
-                  f"{r['bytes']['disk_read']:>12} {r['decode_tokens_per_s']:>13.1f}")
-        print(f"unchunked  greedy ids {'equal' if ref_ok else 'DIFFERENT'}, max |logit diff| {ref_diff:.3g} "
-              "(a different kernel schedule: close, not bit-identical)")
+                  f"{b['disk_read'] + b['disk_mapped_read']:>14} {r['decode_tokens_per_s']:>13.1f} "
+                  f"{r['reused_tokens']:>7}")
+        print(f"unchunked  greedy ids {'equal' if ref_ok else 'DIFFERENT'} (top-1 agreement {agree:.1%}), max |logit "
+              f"diff| {ref_diff:.3g} " + ("(int8 KV against the unquantized model: close, not equal)" if
+                                        args.kv_dtype == "int8" else
+                                        "(a different kernel schedule: close, not bit-identical)"))
         for m, r in report.items():
             if r["first_difference"]:
                 step, pos, phase, what = r["first_difference"]
@@ -144,4 +171,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if "--diagnose" in sys.argv[1:]:  # the troubleshooting chains (doctor.py, built on this file) take their own flags
+        import doctor
+        sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
     sys.exit(main())

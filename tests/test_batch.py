@@ -515,7 +515,8 @@ def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, t
     keys = {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss", "host_anon", "bytes",
             "chunks"}
     for e in events:
-        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read"}, e
+        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read",
+                                                      "window_skipped"}, e
         assert set(e["chunks"]) == {"device", "host", "disk"} and e["task"] == "t", e
     assert [e["phase"] for e in events] == ["prefill"] * -(-len(ids) // C) + ["decode"] * (NEW - 1)
     assert [e["position"] for e in events][-1] == len(ids) + NEW - 1

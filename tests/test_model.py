@@ -185,8 +185,8 @@ def test_unmodified_copy_loads(broken):
 
 @pytest.mark.parametrize("changes, names", [
     (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), ["GPT2LMHeadModel"]),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}), ["yarn", "rope"]),
-    (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0}), ["yarn", "rope"]),
+    (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "factor": 4.0}), ["mrope", "rope"]),
+    (dict(rope_parameters=None, rope_theta=10000.0, rope_scaling={"type": "mrope", "factor": 4.0}), ["mrope", "rope"]),
     (dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
     (dict(num_local_experts=8, num_experts_per_tok=2), ["num_local_experts"]),
     (dict(hidden_size=None), ["hidden_size"]),
@@ -196,10 +196,11 @@ def test_unsupported_config_is_refused(broken, changes, names):
     refused(broken, "config.json", *names)
 
 
-def test_qwen2_sliding_window_is_refused(checkpoint, tmp_path):
+def test_qwen2_sliding_layers_without_a_window_are_refused(checkpoint, tmp_path):
+    """transformers raises on the first forward call of such a config; we refuse it when loading."""
     path = shutil.copytree(checkpoint(**CASES["qwen2-tied-bias"]), tmp_path / "qwen2")
-    edit_config(path, use_sliding_window=True, sliding_window=16)
-    refused(str(path), "config.json", "use_sliding_window")
+    edit_config(path, use_sliding_window=False, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    refused(str(path), "config.json", "layer_types", "use_sliding_window")
 
 
 def test_missing_config_is_refused(broken):

@@ -51,7 +51,7 @@ def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
 
 
 def plan_args(**kw):
-    return Namespace(**{"dtype": "fp32", "context": 2048, "new_tokens": 16, "chunk_sizes": [128, 256, 512, 1024],
+    return Namespace(**{"dtype": "fp32", "kv_dtype": "auto", "context": 2048, "new_tokens": 16, "chunk_sizes": [128, 256, 512, 1024],
                         "device_budget": 0.4 / 1024, "cpu_budget": 0.75 / 1024, **kw})
 
 
@@ -70,7 +70,7 @@ def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
         if c.offload == "cpu":
             assert c.kv["host"] <= args.cpu_budget * 2**30
         else:
-            cpu = tune.plan(tune.Candidate(c.chunk_size, c.window, "cpu"), TINY, tune.DTYPES["fp32"], 2048, 16, cuda)
+            cpu = tune.plan(tune.Candidate(c.chunk_size, c.window, "cpu"), TINY, args, cuda)
             assert cpu.kv["host"] > args.cpu_budget * 2**30, "disk chosen where the cpu tier would have held it"
     assert any(c.compress == "zstd" for c in live)
     assert any(c.offload == "cpu" for c in live) != cuda  # on CUDA the staging slots leave windows too small
@@ -82,7 +82,7 @@ def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
 def test_tune_refuses_what_it_picks(capsys):
     assert tune.main(["--chunk-size", "64", "--random-model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--chunk-sizes" in err
+    assert err.count("\n") == 0 and "--chunk-sizes" in err, err
 
 
 # -----------------------------------------------------------------------------

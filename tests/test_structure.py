@@ -1,0 +1,106 @@
+"""
+The house: imports flow one way (a layer imports only layers below it or beside it, never above, and no cycle),
+the core runs alone from the README's Python snippet, and every file keeps the README's line budget.
+"""
+import ast
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# top to bottom: each row may import the rows below it (and its own row, without a cycle)
+LAYERS = [
+    {"bench", "probe", "verify", "tune", "doctor"},                      # measure and prove
+    {"cli"},                                                             # flags, checks, generate.py's main
+    {"batch", "task", "taskdir", "monitor", "dist"},                     # tasks, resume, data parallel, trace
+    {"generate"},                                                        # the loop
+    {"model", "rope", "quantize", "tp", "tokenizer", "progress", "random_model"},  # the network, text <-> ids
+    {"kvcache", "checkpoint"},                                           # chunks as attention sees them; the files
+    {"offload", "kvstore", "disk", "pools"},                             # where bytes live and move
+]
+RANK = {m: i for i, row in enumerate(LAYERS) for m in row}
+
+
+def project_modules():
+    return sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+
+
+def imports_of(module):
+    """Project modules `module` imports anywhere (function-local imports too), except in its `__main__` block:
+    that block runs only when the file is the script, where a script may hand over to the layer above it."""
+    tree = ast.parse(open(os.path.join(ROOT, module + ".py")).read())
+    main_blocks = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    skip = {id(n) for block in main_blocks for n in ast.walk(block)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(project_modules())
+
+
+def test_every_module_has_a_layer():
+    assert not set(project_modules()) - set(RANK), f"place these modules in LAYERS: {set(project_modules()) - set(RANK)}"
+
+
+def test_imports_flow_down_and_have_no_cycle():
+    graph = {m: imports_of(m) for m in project_modules()}
+    upward = [(m, d) for m, deps in graph.items() for d in deps if RANK[d] < RANK[m]]
+    assert not upward, f"imports from a layer above: {upward}"
+    state = {}
+
+    def visit(m, path):  # depth-first search for a back edge
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            assert state.get(d) != "open", f"import cycle: {' -> '.join(path + [m, d])}"
+            if d not in state:
+                visit(d, path + [m])
+        state[m] = "done"
+    for m in graph:
+        if m not in state:
+            visit(m, [])
+
+
+def test_core_imports_nothing_above_the_loop():
+    core = {"model", "rope", "checkpoint", "kvcache", "offload", "disk", "pools", "generate", "tokenizer"}
+    for m in core:
+        assert imports_of(m) <= core | {"quantize", "tp", "progress", "kvstore"}, (m, imports_of(m))
+
+
+def readme_block(after_heading):
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index(after_heading):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_python_snippet_runs_as_written(tmp_path):
+    """The README's core snippet: load a checkpoint, build a cache with offload, generate, with the core files only."""
+    code = readme_block("## Python API")
+    assert len(code.strip().splitlines()) <= 16, "the core snippet should stay about ten lines"
+    modules = {m.split(".")[0] for m in re.findall(r"^(?:from|import) (\S+)", code, re.M)}
+    assert modules <= {"torch", "model", "offload", "kvcache", "generate", "tokenizer"}, modules
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "disk" in p.stdout and p.stdout.strip(), p.stdout  # it printed text and where the chunks were
+
+
+def test_files_keep_the_line_budget():
+    over = {f: n for f in os.listdir(ROOT) if f.endswith(".py")
+            for n in [len(open(os.path.join(ROOT, f)).read().splitlines())] if n > 400}
+    assert not over, f"files over the README's 400-line budget: {over}"
+
+
+def test_nothing_points_outside_the_repository():
+    for dirpath, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "assets")]
+        for f in files:
+            if f.endswith((".py", ".md", ".sh", ".txt")):
+                text = open(os.path.join(dirpath, f), encoding="utf-8", errors="replace").read()
+                outside = ("../" + "shared", "DESIGN" + ".md")  # spelled apart, so that this file passes its own test
+                assert not any(o in text for o in outside), os.path.join(dirpath, f)
