@@ -305,7 +305,7 @@ def main(argv=None):
                       model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
                       "rope_override": bool(args.rope_scaling), "tp": layout.tp, "replicas": layout.n_replicas}
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
-        if layout is None or layout.rank == 0:
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:  # one rank says it
             print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
 
