@@ -26,10 +26,10 @@ import torch
 
 import probe
 import verify
-from cli import DTYPES, UsageError, add_common_flags, check_common, fmt_bytes, read_model_args
+from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args
 from model import CheckpointError, Transformer
 from offload import COMPRESSIONS, MODES
-from monitor import mem_available
+from monitor import fmt_bytes, mem_available
 from tune import slot
 
 GiB = 2**30

@@ -294,12 +294,15 @@ def _slices(ckpt_dir):
 
 
 @torch.no_grad()
-def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="shard"):
+def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="shard", rope_override=None):
     """This rank's share of a Hugging Face checkpoint: built on the meta device with full sizes, then each
     parameter is assigned the slice read by safetensors' get_slice (only those bytes leave the file).
-    model.loaded_bytes counts them. With Layout.single() this is the whole model, as from_pretrained."""
+    model.loaded_bytes counts them. With Layout.single() this is the whole model, as from_pretrained.
+    rope_override: as Transformer.from_pretrained's."""
     config = os.path.join(ckpt_dir, "config.json")
     args = ModelArgs.from_config(read_json(config), config)
+    if rope_override is not None:
+        args = args.with_rope_override(*rope_override)
     s = Shard.of(args, layout.tp, layout.tp_rank, vocab)
     with torch.device("meta"):
         model = Transformer(args)

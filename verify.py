@@ -20,12 +20,13 @@ import sys
 import pydoc_data.topics
 import torch
 
+import launch
 from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, open_kv_store,
-                 read_model_args)
-from model import CheckpointError, Transformer
+                 read_model_args, rope_override, run_fingerprint)
+from model import CheckpointError
 from offload import OffloadConfig, OffloadError
 from task import run_task
-from taskdir import model_fingerprint
+from tp import agree_min
 from tokenizer import load_tokenizer
 
 # real English text that every Python installation carries: the reference manual's pages on a few statements
@@ -33,14 +34,14 @@ DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in ("with", "try"
 OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
 
 
-def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None):
+def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None, layout=None):
     """Greedy generation; returns (new ids, [(position, phase, logits [V])...], stats)."""
     steps = []
     cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir, compress=compress,
                         cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
     new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
                           task_id=f"verify_{os.getpid()}_{mode}_{compress}", kv_store=kv_store, fingerprint=fingerprint,
-                          kv_dtype=args.kv_dtype,
+                          kv_dtype=args.kv_dtype, layout=layout,
                           on_step=lambda phase, logits, cache: steps.append((cache.length - 1, phase, logits[0].cpu())))
     return new, steps, stats
 
@@ -74,9 +75,12 @@ def main(argv=None):
     p.add_argument("--diagnose", action="store_true", help="check the troubleshooting chains for one configuration "
                    "instead (doctor.py; its flags: verify.py --diagnose -h)")
     args = p.parse_args(argv)
+    layout = None
     try:
         if args.diagnose:  # handed over to doctor.py by the script entry below, before this parser runs
             raise UsageError("--diagnose is the command line's: run python verify.py --diagnose ..., or doctor.main()")
+        layout = launch.start(args.tp, args.device)  # under torchrun: every rank verifies its own share
+        args.device = str(layout.device)
         args.ckpt = args.ckpt or DEMO_CKPT
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in OFFLOAD_MODES]
@@ -89,7 +93,7 @@ def main(argv=None):
             raise UsageError(f"--ckpt {args.ckpt}: no such directory")
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        margs = read_model_args(args.ckpt)
+        margs = read_model_args(args.ckpt, args)
         kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
@@ -105,17 +109,19 @@ def main(argv=None):
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device window "
                              f"({args.window} chunks of {args.chunk_size} plus the open one): nothing would be "
                              "offloaded, so nothing would be verified; lower --chunk-size or --window")
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
-        runs = {"none": run_mode(model, ids, args.max_new_tokens, args.chunk_size, "none", "none", args)}
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args))
+        run = lambda mode, compress, **kw: run_mode(model, ids, args.max_new_tokens, args.chunk_size, mode,  # noqa
+                                                    compress, args, layout=layout, **kw)
+        runs = {"none": run("none", "none")}
         for m in modes:
-            runs[m] = run_mode(model, ids, args.max_new_tokens, args.chunk_size, *MODE_SPECS[m], args)
+            runs[m] = run(*MODE_SPECS[m])
         if kv_store:  # the first run stores what the store lacks, the second must reuse it: both against none
-            fp = model_fingerprint(args.ckpt)
+            fp = run_fingerprint(args.ckpt, args)
             for m in ("store", "reuse"):
-                runs[m] = run_mode(model, ids, args.max_new_tokens, args.chunk_size, *MODE_SPECS[modes[-1]], args,
-                                   kv_store=kv_store, fingerprint=fp)
-    except (UsageError, CheckpointError, OffloadError) as e:
-        print(f"verify.py: error: {e}", file=sys.stderr)
+                runs[m] = run(*MODE_SPECS[modes[-1]], kv_store=kv_store, fingerprint=fp)
+    except (UsageError, CheckpointError, OffloadError, ValueError) as e:
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:  # one rank says it
+            print(f"verify.py: error: {e}", file=sys.stderr)
         return 2
 
     # the unchunked, uncached reference over prompt + generated tokens
@@ -141,6 +147,10 @@ def main(argv=None):
     agree = sum(a == b for a, b in zip(ref_ids, new)) / len(new)  # the unquantized model's top-1, along our ids
     if args.dtype == "fp32" and args.kv_dtype == "auto":  # bf16/fp16 rounding, or int8 KV, may flip a near-tie:
         ok &= ref_ok                                     # reported, not failed
+    ok = bool(agree_min(int(ok), layout))  # under torchrun: every rank's share must pass
+    launch.finish(layout)
+    if layout.rank != 0:  # one report, from rank 0
+        return 0 if ok else 1
     if args.json:
         print(json.dumps({"ok": ok, "prompt_tokens": len(ids), "chunk_size": args.chunk_size, "window": args.window,
                           "kv_dtype": args.kv_dtype, "modes": report,

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     {"bench", "probe", "verify", "tune", "doctor"},                      # measure and prove
     {"cli"},                                                             # flags, checks, generate.py's main
-    {"batch", "task", "taskdir", "monitor", "dist"},                     # tasks, resume, data parallel, trace
+    {"batch", "task", "taskdir", "monitor", "launch"},                   # tasks, resume, torchrun, trace
     {"generate"},                                                        # the loop
     {"model", "rope", "quantize", "tp", "tokenizer", "progress", "random_model"},  # the network, text <-> ids
     {"kvcache", "checkpoint"},                                           # chunks as attention sees them; the files
