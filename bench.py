@@ -245,6 +245,8 @@ def build_parser():
     p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
     p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
+    p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit (decode at "
+                   "the largest --contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the offload mode "
                    "of the cold and warm runs (default none)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
@@ -325,6 +327,13 @@ def main(argv=None):
             report = {"machine": machine, "config": config, "calibration": cal,
                       "verdict": probe.verdict(cal, args, margs, contexts, modes, cuda),
                       "predicted": {c: {m: predict_decode(cal, c, m, args, margs, cuda) for m in modes} for c in contexts}}
+        elif args.visit_cost:  # the fixed cost of a chunk visit (and on CUDA its kernels), median of --repeats
+            ctx = max(contexts)
+            cost = statistics.median(probe.visit_cost_s(model, ctx) for _ in range(args.repeats))
+            report = {"machine": machine, "config": config, "visit_cost_s": cost,
+                      "kernels_per_visit": probe.kernels_per_visit(model, ctx) if cuda else None}
+            print(f"fixed cost per chunk visit at {ctx} tokens (chunk 64 against 4096, {margs.n_layers} layers): "
+                  f"{cost * 1e6:.1f} us" + (f", {report['kernels_per_visit']:.2f} kernels" if cuda else ""))
         elif args.kv_store:
             rows = run_reuse(model, args, contexts)
             print("| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens | store read MiB |\n"

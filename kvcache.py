@@ -35,13 +35,39 @@ from offload import TieredStore
 KV_DTYPES = ("auto", "int8")  # auto: K and V kept in the compute dtype; int8: quantized per token and kv head
 
 
-# The fused CPU flash-attention kernel (torch >= 2.3) returns the log-sum-exp an exact merge needs; elsewhere (CUDA,
-# older torch) the same partial is computed with plain matmuls. Which one runs depends on the device and torch
-# version only, never on where a chunk lives, so the choice cannot break bit-identity across offload modes.
+# Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a handful. On CPU the
+# flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient attention (fp32), checked once per
+# (device, dtype) against the matmul path below, which stays the fallback. Which one runs depends on the device,
+# dtype and torch version only, never on where a chunk lives, so the choice cannot break bit-identity.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
 
 
-def attend_chunk(q, k, v, visible=None):
+def fused_cuda(q, k, v):
+    """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T, 1]) fp32; the kv heads act as the
+    kernel's heads and the (r, t) query rows as its sequence, so GQA needs no copy of K or V."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=1.0)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=1.0)[:2]
+    return o.float(), lse[..., :q.shape[2]].float().unsqueeze(-1)  # efficient attention pads lse's rows
+
+
+def use_fused_cuda(q):
+    key = (q.device, q.dtype)
+    if key not in _FUSED_CUDA:
+        g = torch.Generator(q.device).manual_seed(0)
+        a, b, c = (torch.randn(1, 2, n, q.shape[-1], device=q.device, generator=g).to(q.dtype) for n in (3, 64, 64))
+        try:
+            o, lse = fused_cuda(a, b, c)
+            o_ref, lse_ref = attend_chunk(a, b, c, fused=False)
+            _FUSED_CUDA[key] = bool(torch.allclose(o, o_ref, atol=2e-2) and torch.allclose(lse, lse_ref, atol=2e-2))
+        except (RuntimeError, TypeError, AttributeError):  # an old torch, or a head dim the kernels refuse
+            _FUSED_CUDA[key] = False
+    return _FUSED_CUDA[key]
+
+
+def attend_chunk(q, k, v, visible=None, fused=True):
     """Attention of queries over the L positions of one chunk, normalised within the chunk.
 
     q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks future keys.
@@ -49,9 +75,11 @@ def attend_chunk(q, k, v, visible=None):
     """
     B, G, RT, D = q.shape
     L = k.shape[2]
-    if visible is None and _FLASH_CPU is not None and q.device.type == "cpu":
+    if visible is None and fused and q.device.type == "cpu" and _FLASH_CPU is not None:
         o, lse = _FLASH_CPU(q, k, v, scale=1.0)                    # [B, G, R*T, D], [B, G, R*T]
         return o.float(), lse.unsqueeze(-1)
+    if visible is None and fused and q.device.type == "cuda" and use_fused_cuda(q):
+        return fused_cuda(q, k, v)
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that stalls under CPU load
     s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()
     if visible is not None:
@@ -141,9 +169,10 @@ class PlainLayout:
         chunk[1, :, :, off:off + T] = v
 
     def read(self, chunk, upto):
-        """(k, v) [B, G, upto, D] of the first `upto` positions. chunk: the [2, ...] tensor, or the pair of its
-        halves that the store's load returns."""
-        return chunk[0][:, :, :upto], chunk[1][:, :, :upto]
+        """(k, v) [B, G, upto, D] of the first `upto` positions of a chunk [2, B, G, C, D]."""
+        if upto == chunk.shape[3]:
+            return chunk.unbind(0)  # a sealed chunk: two views made in one call (a visit is the hot loop)
+        return chunk[0, :, :, :upto], chunk[1, :, :, :upto]
 
 
 class Int8Layout:
@@ -175,22 +204,15 @@ class Int8Layout:
         rows[..., D:] = scale.view(torch.uint8)                                  # [2, B, G, T, 4]: fp32 bytes
 
     def read(self, chunk, upto):
-        """(k, v) [B, G, upto, D] in the compute dtype, dequantized from the first `upto` positions. chunk: the
-        [2, ...] uint8 tensor, or the pair of its halves that the store's load returns."""
-        kv = (chunk if torch.is_tensor(chunk) else rejoin(*chunk))[:, :, :, :upto]  # [2, B, G, upto, D + 4]
+        """(k, v) [B, G, upto, D] in the compute dtype, dequantized from the first `upto` positions of a uint8 chunk
+        [2, B, G, C, D + 4]: K and V in one multiply."""
+        kv = chunk[:, :, :, :upto]                                               # [2, B, G, upto, D + 4]
         D = kv.shape[-1] - self.S
         scale = kv[..., D:]                                                      # [2, B, G, upto, 4] uint8
         aligned = D % 4 == 0 and scale.storage_offset() % 4 == 0
         scale = (scale if aligned else scale.contiguous()).view(torch.float32)   # [2, B, G, upto, 1]
         x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)  # int8 * fp32: one kernel
         return x[0], x[1]
-
-
-def rejoin(k, v):
-    """The K and V halves of one chunk buffer, as the store's load returns them ([0] and [1] of it), seen as that
-    [2, ...] buffer again: K and V then dequantize in one multiply, not two (a chunk visit is the hot loop)."""
-    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr(), "K and V of one chunk expected"
-    return k.as_strided((2, *k.shape), (v.storage_offset() - k.storage_offset(), *k.stride()), k.storage_offset())
 
 
 def chunk_layout(kv_dtype, dtype):
@@ -268,7 +290,7 @@ class KVCache:
         state, parts, load, release, read = None, [], self.store.load, self.store.release, self.layout.read
         # a row with no visible key in a chunk (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
         for j in range(first_visible_chunk(W, self.length, C), self.n_sealed):  # sealed: every key is in the past
-            k_j, v_j = read(load(layer, j), C)                         # [B, G, C, D] each, on the device
+            k_j, v_j = read(load(layer, j), C)                         # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
             edge = W is not None and j * C <= self.length + T - 1 - W  # its first key is out of the last query's window
             visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W) if edge else None  # [R*T, C]
             parts.append(attend_chunk(q, k_j, v_j, visible))

@@ -13,7 +13,7 @@ A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D
 The store's verbs, in the order generate.forward calls them:
     prefetch(n)   start of a step: queue every sealed chunk not on the device, in the order attention reads them
     open_chunk(l) the device buffer that layer l writes this step's K and V into
-    load(l, j)    chunk j of layer l as device tensors (waits for its prefetch if it was staged)
+    load(l, j)    chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
     release(l, j) attention is done with it; its staging slot may be refilled
     seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
     close()       stop the workers, give back pinned memory, close the files
@@ -235,7 +235,7 @@ class TieredStore:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
             kv = self.staging.slots[slot]
-        return kv[0], kv[1]
+        return kv
 
     def release(self, layer, j):
         if not self.staged or self.loc[(layer, j)] is DEVICE:

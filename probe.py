@@ -124,7 +124,7 @@ def zstd_on_real_kv(model, chunk_size, n_chunks=2, kv_dtype="auto"):
     ids = torch.randint(3, model.args.vocab_size, (1, chunk_size * n_chunks), generator=torch.Generator().manual_seed(1))
     try:
         prefill(model, cache, ids.to(next(model.parameters()).device))
-        chunks = [torch.stack(cache.store.load(l, j)).cpu() for l in range(model.args.n_layers) for j in range(n_chunks)]
+        chunks = [cache.store.load(l, j).cpu() for l in range(model.args.n_layers) for j in range(n_chunks)]
     finally:
         cache.store.close()
     zc, zd, item = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor(), chunks[0].element_size()
@@ -144,17 +144,18 @@ def zstd_on_real_kv(model, chunk_size, n_chunks=2, kv_dtype="auto"):
 # -----------------------------------------------------------------------------
 # calibration and prediction
 
-def filled_cache(model, ctx, chunk_size, max_length, kv_dtype="auto"):
-    """A KVCache (--offload none) holding ctx positions of synthetic K and V, written through its own verbs instead
-    of a prefill: seconds, not minutes, at any context. The caller closes its store."""
-    a, dev = model.args, next(model.parameters()).device
-    cache = make_cache(model, OffloadConfig(), chunk_size, max_length, kv_dtype=kv_dtype)
+def filled_cache(model, ctx, chunk_size, room, kv_dtype="auto"):
+    """A cache at context ctx (--offload none), filled with synthetic K and V through its own verbs instead of a
+    prefill: seconds, not minutes, at any context. `room`: positions left for decoding."""
+    a, dev = model.args, model.tok_embeddings.weight.device
+    cache = make_cache(model, OffloadConfig(), chunk_size, ctx + room, kv_dtype=kv_dtype)
+    G = model.layers[0].attention.n_local_kv_heads
     while cache.length < ctx:
         off = cache.length % chunk_size
         n = min(chunk_size - off, ctx - cache.length)
         cache.begin(n)
         for layer in range(a.n_layers):  # what attention writes for n positions, through the cache's layout
-            k, v = torch.rand(2, 1, a.n_kv_heads, n, a.head_dim, device=dev).sub_(0.5).mul_(2)  # [B, G, n, D]
+            k, v = torch.rand(2, 1, G, n, a.head_dim, device=dev).sub_(0.5).mul_(2)  # [B, G, n, D]
             cache.layout.write(cache.store.open_chunk(layer), off, k, v)
         if cache.commit():               # a full chunk is sealed, as after a prefill step
             cache.store.seal(cache.n_sealed - 1)
@@ -163,11 +164,10 @@ def filled_cache(model, ctx, chunk_size, max_length, kv_dtype="auto"):
 
 def decode_step_s(model, ctx, chunk_size, steps=8, kv_dtype="auto"):
     """Median decode step at context ctx on the real path (model + KVCache, --offload none)."""
-    dev = next(model.parameters()).device
-    cache = filled_cache(model, ctx, chunk_size, ctx + steps + 2, kv_dtype)
+    cache = filled_cache(model, ctx, chunk_size, steps + 2, kv_dtype)
     try:
-        token = torch.tensor([[3]], device=dev)
-        return median_time(lambda: decode_one_token(model, cache, token), dev, reps=steps)
+        token = torch.tensor([[3]], device=cache.store.device)
+        return median_time(lambda: decode_one_token(model, cache, token), cache.store.device, reps=steps)
     finally:
         cache.store.close()
 
@@ -180,15 +180,34 @@ def visit_cost_s(model, ctx=16384, small=64, big=4096, steps=8):
     return (t_small - t_big) / (model.args.n_layers * (ctx // small - ctx // big))
 
 
+def kernels_per_visit(model, ctx=16384, small=64, big=4096):
+    """CUDA: device kernels launched per chunk visit, counted with torch.profiler over one decode step at small and
+    big chunks (the same keys attended): the difference divided by the extra visits."""
+    from torch.profiler import ProfilerActivity, profile
+    counts = []
+    for C in (small, big):
+        cache = filled_cache(model, ctx, C, 4)
+        try:
+            token = torch.tensor([[3]], device=cache.store.device)
+            decode_one_token(model, cache, token)  # warm-up: the fused kernel's one-time check, allocator
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decode_one_token(model, cache, token)
+                torch.cuda.synchronize()
+            counts.append(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+        finally:
+            cache.store.close()
+    return (counts[0] - counts[1]) / (model.args.n_layers * (ctx // small - ctx // big))
+
+
 def prefill_step_s(model, n_sealed, chunk_size, reps=2, kv_dtype="auto"):
     """The fastest of reps prefill steps of chunk_size tokens after n_sealed sealed chunks, each on a fresh cache
     (a step seals its chunk), after one warm-up: the fastest is the one a busy machine disturbed least."""
-    dev = next(model.parameters()).device
+    dev = model.tok_embeddings.weight.device
     sync = torch.cuda.synchronize if is_cuda(dev) else (lambda: None)
     ids = torch.randint(3, model.args.vocab_size, (1, chunk_size), generator=torch.Generator().manual_seed(2)).to(dev)
     times = []
     for _ in range(reps + 1):
-        cache = filled_cache(model, n_sealed * chunk_size, chunk_size, (n_sealed + 1) * chunk_size, kv_dtype)
+        cache = filled_cache(model, n_sealed * chunk_size, chunk_size, chunk_size, kv_dtype)
         try:
             sync()
             t = time.perf_counter()

@@ -54,8 +54,6 @@ def test_round_trip_within_half_a_scale(D):
         assert ((x2 - x).abs() <= half * (1 + 1e-6)).all()
         assert not torch.equal(x2, x), "int8 must round something: the test would pass for a no-op layout"
     assert torch.equal(k2[0, 1, off + 2], torch.zeros(D))
-    halves = layout.read((chunk[0], chunk[1]), off + T)                 # the pair the store's load returns
-    assert torch.equal(halves[0], k2) and torch.equal(halves[1], v2)
 
 
 def test_plain_layout_reads_views():
