@@ -5,7 +5,7 @@ A task's directory on disk: a safe name, a lock, and a manifest that makes the d
         lock            flock'ed by the process using the directory; holds its pid
         manifest.json   model fingerprint, dtype, chunk size, task parameters, token ids so far, and for every
                         chunk on disk its checksum (and, compressed, where its blob lives); replaced atomically
-        layer{l}.kv     the disk tier (offload.DiskTier), raw or layer{l}.zst compressed
+        layer{l}.kv     the disk tier (disk.DiskTier), raw or layer{l}.zst compressed; rank{r}/ under torchrun
 
 A killed run leaves chunks and a manifest behind; the next run of the same task checks the manifest against
 the model and task, verifies each chunk's checksum, restores the longest valid prefix and recomputes the rest.
