@@ -46,6 +46,12 @@ MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
 
 
+def uses_cuda(device):
+    """Whether the store drives CUDA streams, events and pinned pools for `device`. The one seam of the CUDA path:
+    tests/cuda_emu.py replaces it to run that path on CPU tensors under an emulated torch.cuda."""
+    return device.type == "cuda"
+
+
 class OffloadError(RuntimeError):
     """The offload tiers cannot hold or move what they must; the message names the flag or path."""
 
@@ -82,7 +88,7 @@ class TieredStore:
             raise OffloadError("--chunk-size and staging slots must be >= 1 and --window >= 0")
         self.n_layers, self.chunk_size, self.max_length, self.cfg = n_layers, chunk_size, max_length, cfg
         self.device, self.dtype = torch.device(device), dtype
-        self.cuda = self.device.type == "cuda"
+        self.cuda = uses_cuda(self.device)
         self.shape = (2, batch, kv_heads, chunk_size, head_dim)                 # one chunk: K and V, [2, B, G, C, D]
         self.chunk_bytes = int(np.prod(self.shape)) * torch.empty((), dtype=dtype).element_size()
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
