@@ -105,7 +105,8 @@ class Emulator:
         self.det = Detector()
         self.local = threading.local()
         self.streams, self.pinned, self.findings = [], {}, []
-        self.unrecorded = {}  # event -> where it was waited on before ever being recorded
+        self.unrecorded = {}  # event -> where it was first waited on while not yet recorded
+        self.strict = False   # True: even a first wait before the first record is a problem, not only a dead wait
         self.stats = {"deferred": 0, "forced": 0, "max_queue": 0, "waits_on_unrecorded": 0}
         self.n_threads = 0
         self.device_bytes = self.peak_bytes = 0
@@ -161,7 +162,8 @@ class Emulator:
             s = stream or self.current()
             self.issue(s)
             event.stream, event.pos, event.vc = s, s.issued, self.det.send(s.actor)
-            self.unrecorded.pop(event, None)
+            if not self.strict:
+                self.unrecorded.pop(event, None)
 
     def wait_event(self, s, event):
         with self.lock:
@@ -260,9 +262,10 @@ class Emulator:
 
     def problems(self):
         """Everything that would be a bug on a GPU: races, waits on events never recorded, and the findings."""
-        never = [f"waits on an event never recorded (created at {e.where}): {w}; the wait orders nothing"
-                 for e, w in self.unrecorded.items() if e.stream is None]
-        return list(self.det.races) + never + list(self.findings)
+        never = [f"waits on an event {'never recorded' if e.stream is None else 'before its first record'} "
+                 f"(created at {e.where}): {w}; the wait orders nothing"
+                 for e, w in self.unrecorded.items() if e.stream is None or self.strict]
+        return never + list(self.det.races) + list(self.findings)
 
 
 class ClockedExecutor(ThreadPoolExecutor):
@@ -349,8 +352,10 @@ def _pin_memory(self, device=None):
 
 
 @contextmanager
-def emulate():
-    """Install the emulated CUDA and the store hooks; restore everything on exit."""
+def emulate(strict_waits=False):
+    """Install the emulated CUDA and the store hooks; restore everything on exit. By default a wait on an event
+    not yet recorded is allowed if the event is recorded later (a slot's first fill waits on nothing, as on CUDA);
+    strict_waits reports every such wait."""
     global EMU
     import emu_store
     cuda = torch.cuda
@@ -369,6 +374,7 @@ def emulate():
     ] + emu_store.patches()
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]  # None: inherited, delete on exit
     EMU = Emulator()
+    EMU.strict = strict_waits
     for obj, name, new in patches:
         setattr(obj, name, new)
     try:
