@@ -95,11 +95,19 @@ class Event:
         EMU.sync_event(self)
 
     def query(self):
-        """True once the recorded work has run (never forces it: a spin on query() would hang here)."""
-        return self.stream is None or self.stream.done >= self.pos
+        """True once the recorded work has run (never forces it: a spin on query() would hang here); a True
+        orders the host after the recorded work, as on CUDA."""
+        if self.stream is None:
+            return True
+        if self.stream.done < self.pos:
+            return False
+        EMU.join(self.vc)
+        return True
 
 
 class Emulator:
+    """The state of one emulation: streams, pinned ranges, the race detector, and what it found."""
+
     def __init__(self):
         self.lock = threading.RLock()
         self.det = Detector()
