@@ -52,7 +52,8 @@ def _after_init(store, out, *args, **kwargs):
 
 def _after_alloc(store, chunks, n, device, pin=False):
     for t in chunks[:n]:
-        cuda_emu.EMU.register(t, f"device chunk @{t.data_ptr():#x}" if not pin else "host chunk", "host" if pin else "device")
+        name = "host chunk" if pin else f"device chunk @{t.data_ptr():#x}"
+        cuda_emu.EMU.register(t, name, "host" if pin else "device")
 
 
 def _after_open(store, kv, layer):

@@ -83,7 +83,8 @@ def main(only=()):
             print(f"line {n:4d} [{label:8s}] {'caught  ' if killed else 'SURVIVED'} {time.time() - t:5.1f}s  "
                   f"{text.strip()}")
             if killed:
-                summary = next((ln[2:].strip() for ln in output.splitlines() if ln.startswith("E ") and "problems (" in ln), "")
+                summary = next((ln[2:].strip() for ln in output.splitlines()
+                                if ln.startswith("E ") and "problems (" in ln), "")
                 print(f"           {summary}\n           {first_failure(output)}")
             sys.stdout.flush()
     with open(os.path.join(ROOT, "offload.py")) as f:

@@ -37,10 +37,12 @@ def prompt(n, vocab, seed=0):
 
 def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, **cfg):
     """run_task with the model on CPU: task.py then skips its per-step torch.cuda.synchronize (a timing aid), which
-    would order every copy before the next step and hide the hazards that span steps (rule 5; the copies left for close())."""
+    would order every copy before the next step and hide the hazards that span steps (rule 5; copies left for
+    close())."""
     steps = []
     out, stats = run_task(model, None, ids, new, C, OffloadConfig(**cfg), task_id=task_id, fingerprint=fingerprint,
-                          on_token=on_token, on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
+                          on_token=on_token,
+                          on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
     return out, steps, stats
 
 
