@@ -2,7 +2,7 @@
 An emulated torch.cuda, on CPU tensors, so the store's CUDA path (copy stream, events, pinned pools, staging slots,
 bounce buffers) runs in CI and a missing wait fails a test.
 
-    with cuda_emu.emulate() as emu:       # torch.cuda.* and offload.uses_cuda patched; store verbs hooked
+    with cuda_emu.emulate() as emu:       # torch.cuda.* and offload.on_cuda patched; store verbs hooked
         run_task(model_on_cpu, ...)       # the store believes it runs on CUDA; its tensors are CPU tensors
     assert emu.problems() == []           # races, waits on nothing, copies left queued at close, pageable copies
 
@@ -16,8 +16,9 @@ What runs when:
 Happens-before is tracked by race.py's vector clocks. The compute stream's accesses cannot be seen op by op, so
 the store's verbs are hooked (see hook_store): open_chunk is a compute write of the open chunk, load a compute
 read of the chunk it returns; DiskTier.read_into / write are host accesses of the worker thread; the executor's
-submit/result and the write-bounce deque carry clocks between threads.
+submit/result and the store's queues (the write bounces' hand-back) carry clocks between threads.
 """
+import queue
 import sys
 import threading
 from collections import deque
@@ -268,6 +269,14 @@ class Emulator:
                 self.device_bytes += t.numel() * t.element_size()
                 self.peak_bytes = max(self.peak_bytes, self.device_bytes)
 
+    def rename(self, t, name, kind):
+        """A registered buffer's role, once the store has said what it is (a host pool slot is no device memory)."""
+        with self.lock:
+            b = self.det.buffer_at(span(t)[0])
+            if b is not None and b.kind == "device" and kind != "device":
+                self.device_bytes -= t.numel() * t.element_size()
+            self.det.rename(span(t)[0], name, kind)
+
     def problems(self):
         """Everything that would be a bug on a GPU: races, waits on events never recorded, and the findings."""
         never = [f"waits on an event {'never recorded' if e.stream is None else 'before its first record'} "
@@ -301,21 +310,20 @@ class ClockedExecutor(ThreadPoolExecutor):
         return fut
 
 
-class ClockedDeque(deque):
-    """A deque that hands buffers between threads: popleft is ordered after the append of the same item."""
+class ClockedQueue(queue.Queue):
+    """A queue.Queue that hands buffers between threads: a get is ordered after the put of the item it returns."""
 
-    def __init__(self, items=()):
-        super().__init__(items)
-        self.clocks = {}
+    def __init__(self, maxsize=0):
+        super().__init__(maxsize)
+        self.emu = EMU
 
-    def append(self, x):
-        self.clocks[id(x)] = EMU.send()
-        super().append(x)
+    def put(self, item, block=True, timeout=None):
+        super().put((self.emu.send(), item), block, timeout)
 
-    def popleft(self):
-        x = super().popleft()
-        EMU.join(self.clocks.pop(id(x), {}))
-        return x
+    def get(self, block=True, timeout=None):
+        snap, item = super().get(block, timeout)
+        self.emu.join(snap)
+        return item
 
 
 class _CudaRT:

@@ -2,75 +2,88 @@
 The hooks that connect offload.py's TieredStore to the emulated CUDA of cuda_emu.py (installed by its emulate()).
 
 The store calls nothing itself; these wrappers stand around its verbs and report what a GPU would do there:
-    uses_cuda(device)        -> True: the store takes its CUDA path with CPU tensors
-    ThreadPoolExecutor       -> ClockedExecutor: submit/result order the worker thread against its caller
-    TieredStore.__init__     names the buffers (staging slot i, host pool slot i, read/write bounce i) and hands the
-                             write bounces between threads through a ClockedDeque
-    TieredStore._alloc       registers every new chunk buffer (fresh memory: no history)
+    offload.on_cuda(device)  -> True: the store takes its CUDA path with CPU tensors (task.py imports the original
+                             by name and stays on CPU: no per-step stream synchronize hides a missing wait)
+    ThreadPoolExecutor       -> ClockedExecutor: submit/result order the reader and writer threads against their caller
+    queue.Queue              -> ClockedQueue: a write bounce handed back (put, writer thread) orders its next use (get)
+    alloc_chunks             registers every new chunk buffer (fresh memory: no history), in offload.py and pools.py
+    TieredStore.__init__     names the buffers: staging slot i, host pool slot i, read bounce i, write bounce i
     TieredStore.open_chunk   a compute WRITE of the open chunk (attention writes the step's K and V into it)
     TieredStore.load         a compute READ of the chunk it returns (attention reads it before release)
-    TieredStore.close        after close, no copy may still be queued on the store's copy stream
+    TieredStore.read_back    a host READ of the host pool slot it copied from (numpy: the emulator cannot see it)
+    TieredStore.close        after close, no copy may still be queued on the store's copy or eviction stream
+                             (what was queued before it is kept in stats["queued_at_close"])
     DiskTier.read_into/write a host-thread WRITE of the bounce filled from disk / READ of the bounce written to disk
 """
 import functools
+import queue
+import types
 
 import cuda_emu
 import disk
 import offload
+import pools
 
 
-def _wrap(cls, name, after=None, before=None):
-    orig = getattr(cls, name)
+def _wrap(obj, name, after=None, before=None):
+    orig = getattr(obj, name)
 
     @functools.wraps(orig)
-    def wrapper(self, *args, **kwargs):
+    def wrapper(*args, **kwargs):
         if before:
-            before(self, *args, **kwargs)
-        out = orig(self, *args, **kwargs)
+            before(*args, **kwargs)
+        out = orig(*args, **kwargs)
         if after:
-            after(self, out, *args, **kwargs)
+            after(out, *args, **kwargs)
         return out
-    return cls, name, wrapper
+    return obj, name, wrapper
 
 
-def _named(store):
-    emu = cuda_emu.EMU
+def _after_alloc(out, *args, **kwargs):
+    for t in out[1]:
+        cuda_emu.EMU.register(t, f"device chunk @{t.data_ptr():#x}", "device")
+
+
+def _after_init(out, store, **kwargs):
     if not store.cuda:
         return
-    for label, kind, chunks in [("staging slot", "slot", store.slots), ("host pool slot", "host", store.host or []),
-                                ("read bounce", "bounce", store.bounces),
-                                ("write bounce", "write bounce", store.write_bounces)]:
+    tag = f"(store {id(store) % 10000})"
+    for label, kind, chunks in [("staging slot", "slot", store.staging.slots), ("host pool slot", "host", store.host.slots),
+                                ("read bounce", "bounce", store.read_bounces.slots),
+                                ("write bounce", "write bounce", store.write_bounces.slots)]:
         for i, t in enumerate(chunks):
-            emu.det.rename(cuda_emu.span(t)[0], f"{label} {i} (store {id(store) % 10000})", kind)
-    store.write_bounces = cuda_emu.ClockedDeque(store.write_bounces)
+            cuda_emu.EMU.rename(t, f"{label} {i} {tag}", kind)
 
 
-def _after_init(store, out, *args, **kwargs):
-    with cuda_emu.EMU.lock:
-        _named(store)
-
-
-def _after_alloc(store, chunks, n, device, pin=False):
-    for t in chunks[:n]:
-        name = "host chunk" if pin else f"device chunk @{t.data_ptr():#x}"
-        cuda_emu.EMU.register(t, name, "host" if pin else "device")
-
-
-def _after_open(store, kv, layer):
+def _after_open(kv, store, layer):
     cuda_emu.EMU.compute_access(kv, True, f"{cuda_emu.caller()} (attention writes open chunk, layer {layer})")
 
 
-def _after_load(store, kv, layer, j):
+def _after_load(kv, store, layer, j):
     for t in kv:
         cuda_emu.EMU.compute_access(t, False, f"{cuda_emu.caller()} (attention reads chunk {j} of layer {layer})")
 
 
-def _after_close(store, out):
+def _after_read_back(out, store, l, j, dst):
+    where = store.loc[(l, j)]
+    if where.tier == "host":
+        cuda_emu.EMU.host_access(store.host.slots[where.slot], False,
+                                 f"{cuda_emu.caller()} (read_back of chunk {j}, layer {l}, from it)")
+
+
+def _before_close(store):
+    """What close() finds still queued, before it drains it (a test that needs copies in flight checks this)."""
+    if store.cuda:
+        cuda_emu.EMU.stats["queued_at_close"] = {"copy": len(store.copy_stream.ops), "evict": len(store.evict_stream.ops)}
+
+
+def _after_close(out, store):
     emu = cuda_emu.EMU
-    s = getattr(store, "copy_stream", None)
-    if store.cuda and s is not None and s.ops:
-        emu.findings.append(f"store closed with {len(s.ops)} operations still queued on {s.actor.name}: its buffers "
-                            f"are freed under copies that have not run")
+    for name in ("copy_stream", "evict_stream"):
+        s = getattr(store, name, None)
+        if store.cuda and s is not None and s.ops:
+            emu.findings.append(f"store closed with {len(s.ops)} operations still queued on its {name} "
+                                f"({s.actor.name}): its buffers are freed or unpinned under copies that have not run")
 
 
 def _before_read_into(tier, layer, j, dst):
@@ -83,13 +96,15 @@ def _before_write(tier, layer, j, src):
 
 def patches():
     """(object, attribute, replacement) for cuda_emu.emulate() to install and restore."""
-    S = offload.TieredStore
+    S, clocked_queue = offload.TieredStore, types.SimpleNamespace(**vars(queue))
+    clocked_queue.Queue = cuda_emu.ClockedQueue
     return [
-        (offload, "uses_cuda", lambda device: True),
-        (offload, "ThreadPoolExecutor", cuda_emu.ClockedExecutor),
-        _wrap(S, "__init__", after=_after_init), _wrap(S, "_alloc", after=_after_alloc),
-        _wrap(S, "open_chunk", after=_after_open), _wrap(S, "load", after=_after_load),
-        _wrap(S, "close", after=_after_close),
+        (offload, "on_cuda", lambda device: True),
+        (offload, "ThreadPoolExecutor", cuda_emu.ClockedExecutor), (offload, "queue", clocked_queue),
+        _wrap(offload, "alloc_chunks", after=_after_alloc), _wrap(pools, "alloc_chunks", after=_after_alloc),
+        _wrap(S, "__init__", after=_after_init), _wrap(S, "open_chunk", after=_after_open),
+        _wrap(S, "load", after=_after_load), _wrap(S, "read_back", after=_after_read_back),
+        _wrap(S, "close", before=_before_close, after=_after_close),
         _wrap(disk.DiskTier, "read_into", before=_before_read_into),
         _wrap(disk.DiskTier, "write", before=_before_write),
     ]

@@ -7,7 +7,7 @@ clock; an ordering operation hands a snapshot from one actor to another:
     host -> stream      issuing any stream operation (the stream runs it after the host's earlier work)
     stream -> event     event.record; event -> stream by stream.wait_event, event -> host by event.synchronize
     stream -> host      stream.synchronize, torch.cuda.synchronize
-    host -> host        executor submit (caller -> task), future result (task -> caller), a clocked deque handoff
+    host -> host        executor submit (caller -> task), future result (task -> caller), a clocked queue handoff
 Each access (read or write of a byte range inside a registered buffer) is stamped with its actor's clock value.
 A write must be ordered after the last write and every read since; a read after the last write. Anything else is
 a race, reported with the buffer, the two accesses (actor, operation, source line) and the rule that is missing.
@@ -50,6 +50,8 @@ RULES = {
     ("write bounce", "host read", "copy write"): "rule 4: a write bounce is refilled only after its disk write "
                                                  "has read it (the bounce's hand-back to the store)",
     ("host", "copy write", "copy read"): "rule 4: the host pool chunk is read only after the copy into it",
+    ("host", "copy write", "host read"): "rule 4: the CPU reads a host pool chunk (read_back) only after the "
+                                         "device-to-host copy into it has finished",
 }
 
 

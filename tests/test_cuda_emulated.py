@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import cuda_emu
+import disk
 from disk import DiskError
+from kvstore import KVStore
 from model import Transformer
 from offload import OffloadConfig
 from task import run_task
@@ -35,13 +37,13 @@ def prompt(n, vocab, seed=0):
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, **cfg):
-    """run_task with the model on CPU: task.py then skips its per-step torch.cuda.synchronize (a timing aid), which
-    would order every copy before the next step and hide the hazards that span steps (rule 5; copies left for
-    close())."""
+def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=None, **cfg):
+    """run_task with the model on CPU: only offload.on_cuda is patched, so task.py makes no CUDA stream of its own
+    and skips its per-step stream synchronize (a timing aid), which would order every copy before the next step and
+    hide the hazards that span steps (rule 5; copies left for close())."""
     steps = []
-    out, stats = run_task(model, None, ids, new, C, OffloadConfig(**cfg), task_id=task_id, fingerprint=fingerprint,
-                          on_token=on_token,
+    out, stats = run_task(model, ids, new, chunk_size=C, cfg=OffloadConfig(**cfg), task_id=task_id,
+                          fingerprint=fingerprint, on_token=on_token, kv_store=kv_store,
                           on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
     return out, steps, stats
 
@@ -127,7 +129,7 @@ CASES = [  # mode, compress, window, staging slots
 @pytest.mark.parametrize("mode,compress,window,slots", CASES)
 def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, compress, window, slots):
     label = f"{mode}+{compress} window {window} slots {slots}"
-    with cuda_emu.emulate() as emu:
+    with cuda_emu.emulate(strict_waits=True) as emu:
         other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode=mode, compress=compress, window=window,
                     staging_slots=slots, offload_dir=str(tmp_path))
     assert_good(emu, base, other, label)
@@ -137,7 +139,7 @@ def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, comp
 def test_host_budget_spills_to_disk(llama, base, tmp_path):
     """--offload disk with a small --cpu-budget: the host pool (pinned) takes the first evicted chunks, disk the rest."""
     slot_bytes = 4096  # one chunk here: 2 x 2 kv heads x 7 positions x 16 dims x 4 bytes, padded to a page
-    with cuda_emu.emulate() as emu:
+    with cuda_emu.emulate(strict_waits=True) as emu:
         other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=1, staging_slots=2,
                     cpu_budget_gib=3 * slot_bytes / 2**30, offload_dir=str(tmp_path))
     assert_good(emu, base, other, "spill")
@@ -159,14 +161,26 @@ def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress)
     vouches for, through the read bounces and staging slots, and must still match --offload none."""
     ids, cfg = prompt(P, llama.args.vocab_size), dict(mode="disk", compress=compress, window=1, staging_slots=2,
                                                       offload_dir=str(tmp_path), keep_files=True)
-    with cuda_emu.emulate() as emu:
+    with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(Crash):
             run(llama, ids, NEW, task_id="t", fingerprint="model-a", on_token=crash_at_6, **cfg)
     assert not emu.problems(), emu.problems()
-    with cuda_emu.emulate() as emu:
+    with cuda_emu.emulate(strict_waits=True) as emu:
         other = run(llama, ids, NEW, task_id="t", fingerprint="model-a", **cfg)
     assert_good(emu, base, other, "resumed")
     assert other[2]["resumed_from"] >= 3 * C, other[2]
+
+
+def test_prompt_chunks_read_back_for_the_kv_store(llama, base, tmp_path):
+    """The persistent KV store keeps each prompt chunk through read_back, right after its seal: with window 0 the
+    chunk is already in the host pool, its eviction maybe still queued (rule 4). A second run adopts the stored
+    chunks (copied into open chunks, then sealed) and must match --offload none too."""
+    ids, kv = prompt(P, llama.args.vocab_size), KVStore(str(tmp_path / "store"))
+    for i in range(2):
+        with cuda_emu.emulate(strict_waits=True) as emu:
+            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode="cpu", window=0, staging_slots=2)
+        assert_good(emu, base, other, f"kv store run {i}")
+    assert other[2]["reused_tokens"] == (P - 1) // C * C, other[2]
 
 
 def test_two_concurrent_tasks(llama, base, tmp_path):
@@ -179,7 +193,7 @@ def test_two_concurrent_tasks(llama, base, tmp_path):
                                 **cfg)
         except BaseException as e:  # noqa: BLE001 (reported by the main thread)
             results[name] = e
-    with cuda_emu.emulate() as emu:
+    with cuda_emu.emulate(strict_waits=True) as emu:
         threads = [threading.Thread(target=task, args=("a",), kwargs=dict(mode="cpu", window=0, staging_slots=1)),
                    threading.Thread(target=task, args=("b",), kwargs=dict(mode="disk", compress="zstd", window=1,
                                                                           staging_slots=2))]
@@ -193,8 +207,6 @@ def test_two_concurrent_tasks(llama, base, tmp_path):
     assert len(results) == 2
 
 
-@pytest.mark.xfail(strict=True, raises=(KeyError, StopIteration, RuntimeError),
-                   reason="the CUDA path surfaces a full disk as KeyError/StopIteration, not DiskError")
 def test_full_disk_on_the_cuda_path_with_zstd_raises_disk_error(llama, tmp_path, monkeypatch):
     """ENOSPC from the 4th blob written on: the task must fail with DiskError (a fallback can act on its errno)."""
     pwrite, calls = os.pwrite, []
@@ -205,8 +217,27 @@ def test_full_disk_on_the_cuda_path_with_zstd_raises_disk_error(llama, tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return pwrite(fd, data, offset)
     monkeypatch.setattr(os, "pwrite", full)
-    with cuda_emu.emulate():
+    with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(DiskError) as e:
             run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", compress="zstd", window=0, staging_slots=2,
                 offload_dir=str(tmp_path))
     assert e.value.errno == errno.ENOSPC
+    assert not emu.problems(), emu.problems()
+
+
+def test_a_step_that_fails_half_way_leaves_no_copy_behind(llama, tmp_path, monkeypatch):
+    """A disk read fails in the middle of a step: the task raises DiskError while the copies of later chunks are
+    already issued on the copy stream; close() must let them land before it frees the slots and unpins the bounces."""
+    read_into = disk.DiskTier.read_into
+
+    def failing(tier, layer, j, dst):
+        if (layer, j) == (0, 2):
+            raise DiskError(errno.EIO, "injected read error")
+        return read_into(tier, layer, j, dst)
+    monkeypatch.setattr(disk.DiskTier, "read_into", failing)  # before emulate(), which wraps it and restores it
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        with pytest.raises(DiskError):
+            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=0, staging_slots=3,
+                offload_dir=str(tmp_path))
+    assert not emu.problems(), emu.problems()
+    assert emu.stats["queued_at_close"]["copy"] > 0, "no copy left in flight: the test no longer covers close()"
