@@ -96,8 +96,7 @@ class Event:
         EMU.sync_event(self)
 
     def query(self):
-        """True once the recorded work has run (never forces it: a spin on query() would hang here); a True
-        orders the host after the recorded work, as on CUDA."""
+        """True once the recorded work has run (never forces it: a spin would hang); True orders the host after it."""
         if self.stream is None:
             return True
         if self.stream.done < self.pos:
@@ -369,9 +368,8 @@ def _pin_memory(self, device=None):
 
 @contextmanager
 def emulate(strict_waits=False):
-    """Install the emulated CUDA and the store hooks; restore everything on exit. By default a wait on an event
-    not yet recorded is allowed if the event is recorded later (a slot's first fill waits on nothing, as on CUDA);
-    strict_waits reports every such wait."""
+    """Install the emulated CUDA and the store hooks; restore everything on exit. A wait on an event not yet recorded
+    is allowed if it is recorded later (a no-op, as on CUDA); strict_waits (the store's tests) reports every one."""
     global EMU
     import emu_store
     cuda = torch.cuda

@@ -48,7 +48,8 @@ def _after_init(out, store, **kwargs):
     if not store.cuda:
         return
     tag = f"(store {id(store) % 10000})"
-    for label, kind, chunks in [("staging slot", "slot", store.staging.slots), ("host pool slot", "host", store.host.slots),
+    for label, kind, chunks in [("staging slot", "slot", store.staging.slots),
+                                ("host pool slot", "host", store.host.slots),
                                 ("read bounce", "bounce", store.read_bounces.slots),
                                 ("write bounce", "write bounce", store.write_bounces.slots)]:
         for i, t in enumerate(chunks):
@@ -74,7 +75,8 @@ def _after_read_back(out, store, l, j, dst):
 def _before_close(store):
     """What close() finds still queued, before it drains it (a test that needs copies in flight checks this)."""
     if store.cuda:
-        cuda_emu.EMU.stats["queued_at_close"] = {"copy": len(store.copy_stream.ops), "evict": len(store.evict_stream.ops)}
+        queued = {"copy": len(store.copy_stream.ops), "evict": len(store.evict_stream.ops)}
+        cuda_emu.EMU.stats["queued_at_close"] = queued
 
 
 def _after_close(out, store):
