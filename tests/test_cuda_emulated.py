@@ -2,7 +2,7 @@
 The store's CUDA path (copy stream, events, pinned pools, staging slots, bounce buffers) run on CPU under the
 emulated CUDA of cuda_emu.py: logits bit-identical to --offload none, and no race, no wait on an event that is
 never recorded, no copy still queued when the store closes. tests/mutate_waits.py checks these tests fail when
-any stream wait of offload.py is removed.
+any stream-ordering line of offload.py or pools.py is removed.
 """
 import errno
 import os
@@ -173,13 +173,15 @@ def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress)
 
 def test_prompt_chunks_read_back_for_the_kv_store(llama, base, tmp_path):
     """The persistent KV store keeps each prompt chunk through read_back, right after its seal: with window 0 the
-    chunk is already in the host pool, its eviction maybe still queued (rule 4). A second run adopts the stored
-    chunks (copied into open chunks, then sealed) and must match --offload none too."""
+    chunk is already in the host pool, its eviction maybe still queued (rule 4). A second run, on the disk tier,
+    adopts the stored chunks: it seals them one after another with no step between, so each seal waits for write
+    bounces that only the writer's hand-back (the bounce queue) orders. Both must match --offload none."""
     ids, kv = prompt(P, llama.args.vocab_size), KVStore(str(tmp_path / "store"))
-    for i in range(2):
+    for mode in ("cpu", "disk"):
         with cuda_emu.emulate(strict_waits=True) as emu:
-            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode="cpu", window=0, staging_slots=2)
-        assert_good(emu, base, other, f"kv store run {i}")
+            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode=mode, window=0, staging_slots=2,
+                        offload_dir=str(tmp_path))
+        assert_good(emu, base, other, f"kv store, {mode}")
     assert other[2]["reused_tokens"] == (P - 1) // C * C, other[2]
 
 
