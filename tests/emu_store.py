@@ -73,8 +73,11 @@ def _after_read_back(out, store, l, j, dst):
 
 
 def _before_close(store):
-    """What close() finds still queued, before it drains it (a test that needs copies in flight checks this)."""
+    """What close() finds queued once its reader has stopped (close's first step, done here first so that the count
+    does not depend on how far the reader got), before it drains it: a test that needs copies in flight checks it."""
     if store.cuda:
+        if store.reader is not None:
+            store.reader.shutdown(wait=True)
         queued = {"copy": len(store.copy_stream.ops), "evict": len(store.evict_stream.ops)}
         cuda_emu.EMU.stats["queued_at_close"] = queued
 
