@@ -9,16 +9,22 @@ A disk that fills up sends a task to the host tier (if --fallback-cpu-budget all
 --fallback-context allows); otherwise that task fails with one line. One failed task never stops the others.
 """
 import dataclasses
+import fcntl
 import json
 import os
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import launch
 
 from disk import DISK_FULL, DiskError
 from offload import OffloadError
 from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import messages_problem
+from tp import Layout
 
 TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,), "temperature": (int, float),
                "seed": (int,)}
@@ -78,22 +84,33 @@ class Results:
         except OSError as e:
             raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
         self.done = set()
-        with open(path, "rb") as f:
-            data = f.read()
-        if data and not data.endswith(b"\n"):  # only a crash of another writer can leave this; drop the tail
-            keep = data.rfind(b"\n") + 1
-            os.ftruncate(self.fd, keep)
-            log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
-            data = data[:keep]
+        with self.locked():  # other processes (replicas under torchrun) may append to the same file
+            with open(path, "rb") as f:
+                data = f.read()
+            if data and not data.endswith(b"\n"):  # only a crash of another writer can leave this; drop the tail
+                keep = data.rfind(b"\n") + 1
+                os.ftruncate(self.fd, keep)
+                log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
+                data = data[:keep]
         for line in data.splitlines():
             try:
                 self.done.add(str(json.loads(line)["id"]))
             except (ValueError, KeyError, TypeError):
                 log(f"{path}: a line that is not a result was ignored")
 
+    @contextmanager
+    def locked(self):
+        """This thread alone, and this process alone among those sharing the file (an flock on it)."""
+        with self.lock:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+
     def append(self, result):
         line = (json.dumps(result, ensure_ascii=False) + "\n").encode()
-        with self.lock:
+        with self.locked():  # whole lines, never interleaved with another writer's
             view = memoryview(line)
             while view:
                 view = view[os.write(self.fd, view):]
@@ -103,9 +120,14 @@ class Results:
         os.close(self.fd)
 
 
-def run_batch(args, cfg, monitor, run_one):
-    """Run every task not yet in the output; returns the exit code (0 only if every task succeeded)."""
-    log = monitor.log
+def run_batch(args, cfg, monitor, run_one, layout=None):
+    """Run every task not yet in the output; returns the exit code (0 only if every task succeeded). Under torchrun
+    (layout) each replica runs its share of the tasks (launch.my_tasks) and its leader appends their results."""
+    layout = layout or Layout.single()
+    log, started = monitor.log, time.perf_counter()
+    if layout.tp > 1 and args.concurrency > 1:
+        raise ValueError("--concurrency above 1 is not combined with --tp above 1 (the ranks of a replica step "
+                         "together); run more replicas instead: a smaller --tp")
     tasks, errors = read_tasks(args.prompts)
     for e in errors:
         log(e)
@@ -113,13 +135,19 @@ def run_batch(args, cfg, monitor, run_one):
     todo = [t for t in tasks if t["id"] not in results.done]
     if len(todo) < len(tasks):
         log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; skipping them")
+    todo = launch.from_leader(launch.my_tasks(todo, layout), layout)  # the ranks of a replica run the same list
+    if layout.n_replicas > 1:
+        log(f"group {layout.replica} of {layout.n_replicas}: {len(todo)} tasks")
 
     def one(task):
         try:
             result = with_fallbacks(task, args, cfg, run_one, log)
-            results.append(result)
+            if layout.is_leader:
+                results.append(result)
             monitor.task_finished(task["id"], {**result["stats"], "prompt_tokens": result["prompt_tokens"]})
-        except Exception as e:  # one failed task never stops the others
+        except Exception as e:  # one failed task never stops the others (but a replica's ranks must agree: stop)
+            if layout.tp > 1:
+                raise
             monitor.task_finished(task["id"], error=one_line(e))
             log(f"task {task['id']}: FAILED: {one_line(e)}")
 
@@ -128,7 +156,12 @@ def run_batch(args, cfg, monitor, run_one):
     results.close()
     for e in errors:
         monitor.totals["failed"].append(("input", e))
-    log(monitor.summary())
+    monitor.totals["wall_s"] = time.perf_counter() - started
+    if layout.n_replicas > 1:
+        log(f"group {layout.replica}: " + monitor.summary().replace("\n", f"\ngroup {layout.replica}: "))
+    totals, _ = launch.batch_totals(monitor.totals, layout)  # every replica's share meets on rank 0
+    if layout.rank == 0:
+        print(monitor.summary(totals), file=sys.stderr, flush=True)
     return 1 if monitor.totals["failed"] else 0
 
 

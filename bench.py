@@ -35,74 +35,17 @@ import torch
 import probe
 from disk import DiskError
 from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
-from model import CheckpointError, ModelArgs, Transformer, ours_to_hf
+from kvcache import kv_bytes_per_token
+from model import CheckpointError, Transformer
 from monitor import host_memory
 from offload import OffloadConfig, OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from task import run_task
+from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec  # noqa: F401 (re-exported)
 from taskdir import TaskDirError
-
-SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
-PRESETS = {  # --random-model NAME[,key=value,...]
-    "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000),  # Llama-2-7B
-    "kv-heavy": dict(dim=1024, layers=4, heads=16, kv_heads=16, head_dim=64, hidden=2816, vocab=32000),
-    "tiny": dict(dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, hidden=128, vocab=256),
-}
-
 
 def weight_bytes(model):
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-# -----------------------------------------------------------------------------
-# random checkpoints: ModelArgs -> random weights -> safetensors under Hugging Face names, and a config.json
-
-def parse_model_spec(spec, layers=None):
-    """'7b-like', '7b-like,kv_heads=8' or 'dim=512,layers=4,heads=8,kv_heads=8,hidden=1376,vocab=32000'."""
-    sizes = {}
-    for i, part in enumerate(p.strip() for p in spec.split(",") if p.strip()):
-        key, eq, val = part.partition("=")
-        if not eq and i == 0 and key in PRESETS:
-            sizes.update(PRESETS[key])
-        elif eq and key in SIZE_KEYS and val.isdigit() and int(val) > 0:
-            sizes[key] = int(val)
-        else:
-            raise UsageError(f"--random-model: cannot read {part!r}; give a preset {sorted(PRESETS)} and/or "
-                             f"key=positive integer pairs, keys {SIZE_KEYS}")
-    sizes.update({} if layers is None else {"layers": layers})
-    missing = [k for k in SIZE_KEYS if k not in sizes and k != "head_dim"]
-    if missing or sizes["heads"] % sizes["kv_heads"]:
-        raise UsageError(f"--random-model {spec}: " + (f"missing {missing}" if missing else
-                         f"heads={sizes['heads']} is not a multiple of kv_heads={sizes['kv_heads']}"))
-    sizes.setdefault("head_dim", sizes["dim"] // sizes["heads"])
-    return sizes
-
-
-def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0):
-    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load. Linear weights at
-    std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device` (fast on a GPU)."""
-    from safetensors.torch import save_file
-    a = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"], n_kv_heads=sizes["kv_heads"],
-                  head_dim=sizes["head_dim"], hidden_dim=sizes["hidden"], vocab_size=sizes["vocab"],
-                  max_seq_len=max_positions, torch_dtype=str(dtype).removeprefix("torch."))
-    with torch.device("meta"):
-        model = Transformer(a)
-    g, tensors = torch.Generator(device).manual_seed(seed), {}
-    for name, p in model.named_parameters():
-        std = 1.0 if name.startswith("tok_embeddings") else p.shape[-1] ** -0.5
-        tensors[ours_to_hf(name)] = torch.ones(p.shape, dtype=dtype) if "norm" in name else \
-            (torch.randn(p.shape, generator=g, device=device) * std).to(dtype).cpu()
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": a.dim,
-              "intermediate_size": a.hidden_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-              "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-              "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": a.torch_dtype,
-              "bos_token_id": 1, "eos_token_id": 2}
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return out_dir
 
 
 # -----------------------------------------------------------------------------
@@ -113,7 +56,7 @@ def run_ours(model, ids, args, mode, tag, new_tokens=None):
     cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress)
     marks = []  # when the first token was sampled, then when each decode step ended
     new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size, cfg=cfg,
-                       task_id=f"bench_{os.getpid()}_{tag}",
+                       task_id=f"bench_{os.getpid()}_{tag}", kv_dtype=args.kv_dtype,
                        on_token=lambda out: len(out) == 1 and marks.append(time.perf_counter()),
                        on_step=lambda phase, *_: phase == "decode" and marks.append(time.perf_counter()))
     st["decode_step_s"] = statistics.median(np.diff(marks))
@@ -255,13 +198,15 @@ def markdown(rows, hf_rows):
     sp = lambda r, k: f"{r[k]:,.1f} ({r[k + '_spread'][0]:,.1f}-{r[k + '_spread'][1]:,.1f})"  # noqa: E731
     opt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | predicted | error | vs none: "
-             "prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | disk write / read MiB |", "|---" * 11 + "|"]
+             "prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | disk tier write / read / read in place MiB "
+             "|", "|---" * 11 + "|"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['mode']} | {sp(r, 'prefill_tokens_per_s')} | {sp(r, 'decode_tokens_per_s')} "
                      f"| {opt(r['predicted_decode_tokens_per_s'], ',.1f')} | {opt(r['prediction_error'], '+.0%')} "
                      f"| {opt(r.get('prefill_vs_none'), '.2f')} / {opt(r.get('decode_vs_none'), '.2f')} "
                      f"| {r['ttft_s']:.2f} | {mib(r['peak_device_bytes'])} | {mib(r['peak_host_rss_bytes'])} / "
-                     f"{mib(r['peak_host_anon_bytes'])} | {mib(r['bytes']['disk_write'])} / {mib(r['bytes']['disk_read'])} |")
+                     f"{mib(r['peak_host_anon_bytes'])} | {mib(r['bytes']['disk_write'])} / {mib(r['bytes']['disk_read'])} / "
+                     f"{mib(r['bytes']['disk_mapped_read'])} |")
     if hf_rows:
         ours = {(r["context"], r["mode"]): r for r in rows}
         lines += ["", "| context | transformers cache | prefill tok/s (min-max) | decode tok/s (min-max) | ours none / "
@@ -299,6 +244,8 @@ def build_parser():
     p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
     p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
+    p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit (decode at "
+                   "the largest --contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the offload mode "
                    "of the cold and warm runs (default none)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
@@ -335,7 +282,10 @@ def check(args):
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise UsageError(f"--json {args.json}: its directory does not exist")
     if args.random_model:
-        args.sizes = parse_model_spec(args.random_model, args.layers)
+        try:
+            args.sizes = parse_model_spec(args.random_model, args.layers)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the new "
                              "model; give a new directory, or drop --random-model to bench the model already there")
@@ -363,7 +313,7 @@ def main(argv=None):
         hf = load_hf(args.ckpt, args.device, DTYPES[args.dtype]) if args.vs_hf and not args.probe else None
         machine, cuda, dt = probe.environment(args.device), is_cuda(args.device), DTYPES[args.dtype]
         config = {k: v for k, v in vars(args).items() if k != "sizes"} | {
-            "contexts": contexts, "modes": modes, "kv_bytes_per_token": margs.kv_bytes_per_token(dt),
+            "contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_bytes_per_token(margs, dt, args.kv_dtype),
             "model": dict(zip(SIZE_KEYS, (margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.head_dim,
                                           margs.hidden_dim, margs.vocab_size)))}
         if args.probe:
@@ -372,6 +322,13 @@ def main(argv=None):
             report = {"machine": machine, "config": config, "calibration": cal,
                       "verdict": probe.verdict(cal, args, margs, contexts, modes, cuda),
                       "predicted": {c: {m: predict_decode(cal, c, m, args, margs, cuda) for m in modes} for c in contexts}}
+        elif args.visit_cost:  # the fixed cost of a chunk visit (and on CUDA its kernels), median of --repeats
+            ctx = max(contexts)
+            cost = statistics.median(probe.visit_cost_s(model, ctx) for _ in range(args.repeats))
+            report = {"machine": machine, "config": config, "visit_cost_s": cost,
+                      "kernels_per_visit": probe.kernels_per_visit(model, ctx) if cuda else None}
+            print(f"fixed cost per chunk visit at {ctx} tokens (chunk 64 against 4096, {margs.n_layers} layers): "
+                  f"{cost * 1e6:.1f} us" + (f", {report['kernels_per_visit']:.2f} kernels" if cuda else ""))
         elif args.kv_store:
             rows = run_reuse(model, args, contexts)
             print("| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens | store read MiB |\n"
@@ -384,8 +341,8 @@ def main(argv=None):
             runs, ids_out, cal = run_matrix(model, hf, args, contexts, modes)
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
             rows, hf_rows = summarize(runs, ids_out, cal, args, margs, contexts, modes)
-            print(f"{args.ckpt} {config['model']}, {args.dtype} on {args.device}, chunk {args.chunk_size}, window "
-                  f"{args.window}, {args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
+            print(f"{args.ckpt} {config['model']}, {args.dtype} (KV {args.kv_dtype}) on {args.device}, chunk "
+                  f"{args.chunk_size}, window {args.window}, {args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
                   f"{machine['cpu_count']} CPUs, {machine['torch_threads']} threads, load {machine['loadavg']} -> "
                   f"{machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
             report = {"machine": machine, "config": config, "calibration": cal, "results": rows, "hf": hf_rows}

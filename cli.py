@@ -8,6 +8,7 @@ Without --ckpt it runs a short demo on the small model shipped in assets/ (disk 
 context). Every check happens before any weight is loaded; a bad flag is one line on stderr and exit code 2.
 """
 import argparse
+import hashlib
 import json
 import os
 import signal
@@ -15,16 +16,20 @@ import sys
 
 import torch
 
+import launch
 from batch import run_batch
 from generate import Sampling
+from kvcache import KV_DTYPES
 from kvstore import KVStore, StoreError
-from model import CheckpointError, ModelArgs, Transformer, read_json
-from monitor import Monitor
+from model import CheckpointError, ModelArgs, read_json
+from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
+from progress import Progress
+from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
 from taskdir import TaskDirError, model_fingerprint
-from progress import Progress
 from tokenizer import chat_messages, load_tokenizer
+from tp import gather_stats
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
 DEMO_PROMPT = ("A module is a file containing Python definitions and statements. The file name is the module name "
@@ -58,8 +63,19 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda "
                    "(default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="how the KV cache is held: auto = as "
+                   "--dtype; int8 = quantized per token and kv head, about half of bf16's bytes in every tier and "
+                   "link (lossy; offload stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
                    "avoids OpenMP threads stalling while another process holds a core)")
+    p.add_argument("--rope-scaling", choices=ROPE_OVERRIDES, help="stretch RoPE past the trained context, replacing "
+                   "config.json's scaling for this run (quality past the trained length is not guaranteed)")
+    p.add_argument("--rope-factor", type=float, metavar="F", help="with --rope-scaling: the stretch; the model's "
+                   "maximum context becomes F x --rope-orig-ctx")
+    p.add_argument("--rope-orig-ctx", type=int, metavar="N", help="with --rope-scaling: the trained context it "
+                   "stretches (default: the checkpoint's max_position_embeddings)")
+    p.add_argument("--tp", type=int, metavar="N", help="under torchrun: ranks that share one model (tensor "
+                   "parallel); the world splits into world/N replicas that split a --prompts batch (default: all)")
     p.add_argument("--kv-store", metavar="DIR", help="a persistent prompt cache: reuse the KV of a prompt's stored "
                    "full chunks (a document asked again), store the ones computed; output stays bit-identical")
     p.add_argument("--kv-store-budget", type=float, metavar="GIB", help="with --kv-store: evict least recently "
@@ -78,6 +94,10 @@ def check_common(args, needs_disk):
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
         (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
          "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
+        ((args.rope_factor is None and args.rope_orig_ctx is None) or args.rope_scaling,
+         "--rope-factor and --rope-orig-ctx go with --rope-scaling {linear,yarn,llama3}"),
+        (not args.rope_scaling or (args.rope_factor or 0) > 1, "--rope-scaling needs --rope-factor F with F > 1"),
+        (args.rope_orig_ctx is None or args.rope_orig_ctx > 0, "--rope-orig-ctx must be a positive number of positions"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -119,9 +139,24 @@ def remove_if_empty(path):
         pass
 
 
-def read_model_args(ckpt):
+def read_model_args(ckpt, args=None):
+    """The checkpoint's ModelArgs, with the --rope-scaling override of `args` applied when it has one."""
     path = os.path.join(ckpt, "config.json")
-    return ModelArgs.from_config(read_json(path), path)
+    model_args = ModelArgs.from_config(read_json(path), path)
+    return model_args.with_rope_override(*rope_override(args)) if args and args.rope_scaling else model_args
+
+
+def rope_override(args):
+    """(kind, factor, orig ctx or None) for Transformer.from_pretrained, or None without --rope-scaling."""
+    return (args.rope_scaling, args.rope_factor, args.rope_orig_ctx) if args.rope_scaling else None
+
+
+def run_fingerprint(ckpt, args):
+    """Everything that shapes a task's KV besides the tokens: the weights' contents, the RoPE override, the
+    quantization and the KV dtype (the dtype, chunk size and device are in the task itself): resume and the KV
+    store never mix runs that differ in any of them."""
+    parts = {"rope": rope_override(args), "quantize": getattr(args, "quantize", None), "kv_dtype": args.kv_dtype}
+    return model_fingerprint(ckpt) + "-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # -----------------------------------------------------------------------------
@@ -217,6 +252,8 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
     cap = args.max_length if args.max_length is not None else limit
     if cap > limit:
         raise UsageError(f"--max-length {cap} is past the model's maximum context of {limit} positions")
+    if n_prompt >= limit and args.max_length is None:  # past the trained context: say how to go on, on purpose
+        raise UsageError(context_refusal(n_prompt + 1, model_args))
     if n_prompt >= cap:
         raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length {cap}; shorten it")
     asked = max_new_tokens or args.max_new_tokens
@@ -237,32 +274,17 @@ def encode(tokenizer, task, args):
     return tokenizer.encode(task["prompt"])
 
 
-def fmt_bytes(n):
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-
-
-def progress_line(stats, n_prompt, n_new):
-    b, c = stats["bytes"], stats["chunks"]
-    return (f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s ({stats['prefill_tokens_per_s']:.1f} tok/s) | "
-            f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s | peak device {fmt_bytes(stats['peak_device_bytes'])} | "
-            f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} (anon {fmt_bytes(stats['peak_host_anon_bytes'])}) | "
-            f"chunks device/host/disk {c['device']}/{c['host']}/{c['disk']} | h2d {fmt_bytes(b['h2d'])} "
-            f"d2h {fmt_bytes(b['d2h'])} | disk tier: write {fmt_bytes(b['disk_write'])} read {fmt_bytes(b['disk_read'])}"
-            f" attended in place {fmt_bytes(b['disk_mapped_read'])} | storage I/O read "
-            f"{fmt_bytes(stats['io']['storage_read'])} write {fmt_bytes(stats['io']['storage_write'])}"
-            + (f" | resumed from position {stats['resumed_from']}" if stats.get("resumed_from") else ""))
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a file-size limit then fails a write (EFBIG), not the process
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    layout = None
     try:
         cfg, text = resolve(args)
-        model_args = read_model_args(args.ckpt)
+        layout = launch.start(args.tp, args.device)  # one rank, or this rank of a torchrun world
+        args.device = str(layout.device)
+        speak = layout.is_leader                      # a replica's leader prints, traces and writes results
+        log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if speak else (lambda msg: None)
+        model_args = read_model_args(args.ckpt, args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so text cannot be encoded")
@@ -273,11 +295,18 @@ def main(argv=None):
         if args.threads:
             torch.set_num_threads(args.threads)
         kv_store = open_kv_store(args)
-        monitor = Monitor(args.trace)
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
-        fingerprint = model_fingerprint(args.ckpt)
+        monitor = Monitor(args.trace if speak else None, log=log)
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args))
+        if args.rope_scaling and layout.rank == 0:
+            log(rope_override_note(model.args, read_model_args(args.ckpt)))
+        fingerprint = run_fingerprint(args.ckpt, args)
+        run_config = {"ckpt": args.ckpt, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "chunk_size": args.chunk_size,
+                      "offload": cfg.mode, "window": cfg.window, "compress": cfg.compress, "max_context":
+                      model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
+                      "rope_override": bool(args.rope_scaling), "tp": layout.tp, "replicas": layout.n_replicas}
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
-        print(f"generate.py: error: {e}", file=sys.stderr)
+        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:  # one rank says it
+            print(f"generate.py: error: {e}", file=sys.stderr)
         return 2
 
     def run_one(task, cfg, context=None, on_token=None, progress=None):
@@ -290,14 +319,19 @@ def main(argv=None):
         new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg, sampling=sampling,
                               eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
                               on_step=lambda phase, logits, cache: step(task["id"], phase, cache, len(ids), progress),
-                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store)
+                              fingerprint=fingerprint, log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
+                              layout=layout)
+        ranks = gather_stats(stats, layout)  # a collective: every rank of the replica reports its own bytes
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
                   "text": tokenizer.decode(new)}
         if context:
             result["fallback"] = {"context": context}
-        result["stats"] = stats
+        result["config"] = run_config
+        if layout.world > 1:
+            result["group"] = layout.replica
+        result["stats"] = {**stats, "ranks": ranks} if layout.tp > 1 and ranks else stats
         return result
 
     def step(task_id, phase, cache, n_prompt, progress):
@@ -305,22 +339,27 @@ def main(argv=None):
         if progress is not None and phase == "prefill":
             progress.update(cache.length, n_prompt)
 
-    if args.prompts:
-        try:
-            rc = run_batch(args, cfg, monitor, run_one)
-        except ValueError as e:
-            print(f"generate.py: error: {e}", file=sys.stderr)
-            return 2
-        finally:
-            monitor.close()
-    else:
-        rc = single(args, text, cfg, monitor, run_one, tokenizer)
+    try:
+        if args.prompts:
+            try:
+                rc = run_batch(args, cfg, monitor, run_one, layout)
+            except ValueError as e:
+                log(f"generate.py: error: {e}")
+                return 2
+            finally:
+                monitor.close()
+        elif layout.replica == 0:  # one prompt: the first replica runs it, any other has nothing to do
+            rc = single(args, text, cfg, monitor, run_one, tokenizer, speak)
+        else:
+            rc = 0
+    finally:
+        launch.finish(layout)
     if rc == 0 and getattr(args, "created_offload_dir", False):
         remove_if_empty(args.offload_dir)
     return rc
 
 
-def single(args, text, cfg, monitor, run_one, tokenizer):
+def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     """One prompt: stream the text (or print one JSON object), then the statistics line on stderr."""
     printed = [""]
 
@@ -330,19 +369,21 @@ def single(args, text, cfg, monitor, run_one, tokenizer):
         sys.stdout.flush()
         printed[0] = full
 
-    if not args.json:
+    if speak and not args.json:
         sys.stdout.write(text if not args.chat else "")  # a chat prompt is the template's business, not the page's
-    progress = Progress(enabled=not args.json)  # prefill progress on stderr, when it is a terminal
+    progress = Progress(enabled=speak and not args.json)  # prefill progress on stderr, when it is a terminal
     try:
-        result = run_one({"id": "0", "prompt": text}, cfg, on_token=None if args.json else stream, progress=progress)
+        result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if speak and not args.json else None,
+                         progress=progress)
     except (UsageError, OffloadError, TaskDirError, OSError) as e:
         print(f"\ngenerate.py: error: {e}", file=sys.stderr)
         return 1
     finally:
         progress.close()
         monitor.close()
-    print(json.dumps(result, ensure_ascii=False) if args.json else "")
-    print(progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"])), file=sys.stderr)
+    if speak:
+        print(json.dumps(result, ensure_ascii=False) if args.json else "")
+        print(progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"])), file=sys.stderr)
     return 0
 
 

@@ -72,7 +72,7 @@ def sample(logits, s, position):
 
 
 def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(), on_token=None, on_step=None,
-             replay=()):
+             replay=(), share=None):
     """prompt_ids [1, P] -> list of new token ids. Stops at an EOS id or after max_new_tokens.
 
     Resuming: the cache may already hold positions [0, cache.length) restored from disk, and `replay` the tokens
@@ -87,6 +87,8 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         logits = decode_one_token(model, cache, prompt_ids.new_tensor([[out[pos - P]]]))
     while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
+        if share:  # tensor parallel: every rank continues with rank 0's token (tp.broadcast_token)
+            token = share(token)
         out.append(token.item())
         if on_token:
             on_token(out)

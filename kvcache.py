@@ -21,6 +21,10 @@ lives changes which copy brings it to the device, never the arithmetic: every ch
 contiguous [B, G, C, D] tensor with the same bytes, whether it stayed on the device, came back from host
 memory, was decompressed, or is a view of a memory-mapped file. So `--offload cpu|disk` is bit-identical to
 `--offload none` at the same chunk size, by construction; verify.py checks it on every run.
+
+How K and V sit in a chunk's bytes is a layout: PlainLayout keeps them as computed; Int8Layout (--kv-dtype int8)
+quantizes them as they are written into the open chunk and dequantizes each chunk right before it is attended.
+The store sees only a buffer of some shape and dtype, so the int8 bytes, not the compute dtype's, cross every link.
 """
 import math
 
@@ -28,14 +32,42 @@ import torch
 
 from offload import TieredStore
 
+KV_DTYPES = ("auto", "int8")  # auto: K and V kept in the compute dtype; int8: quantized per token and kv head
 
-# The fused CPU flash-attention kernel (torch >= 2.3) returns the log-sum-exp an exact merge needs; elsewhere (CUDA,
-# older torch) the same partial is computed with plain matmuls. Which one runs depends on the device and torch
-# version only, never on where a chunk lives, so the choice cannot break bit-identity across offload modes.
+
+# Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a handful. On CPU the
+# flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient attention (fp32), checked once per
+# (device, dtype) against the matmul path below, which stays the fallback. Which one runs depends on the device,
+# dtype and torch version only, never on where a chunk lives, so the choice cannot break bit-identity.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
 
 
-def attend_chunk(q, k, v, visible=None):
+def fused_cuda(q, k, v):
+    """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T, 1]) fp32; the kv heads act as the
+    kernel's heads and the (r, t) query rows as its sequence, so GQA needs no copy of K or V."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=1.0)[:2]
+    else:
+        o, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False, scale=1.0)[:2]
+    return o.float(), lse[..., :q.shape[2]].float().unsqueeze(-1)  # efficient attention pads lse's rows
+
+
+def use_fused_cuda(q):
+    key = (q.device, q.dtype)
+    if key not in _FUSED_CUDA:
+        g = torch.Generator(q.device).manual_seed(0)
+        a, b, c = (torch.randn(1, 2, n, q.shape[-1], device=q.device, generator=g).to(q.dtype) for n in (3, 64, 64))
+        try:
+            o, lse = fused_cuda(a, b, c)
+            o_ref, lse_ref = attend_chunk(a, b, c, fused=False)
+            _FUSED_CUDA[key] = bool(torch.allclose(o, o_ref, atol=2e-2) and torch.allclose(lse, lse_ref, atol=2e-2))
+        except (RuntimeError, TypeError, AttributeError):  # an old torch, or a head dim the kernels refuse
+            _FUSED_CUDA[key] = False
+    return _FUSED_CUDA[key]
+
+
+def attend_chunk(q, k, v, visible=None, fused=True):
     """Attention of queries over the L positions of one chunk, normalised within the chunk.
 
     q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks future keys.
@@ -43,9 +75,11 @@ def attend_chunk(q, k, v, visible=None):
     """
     B, G, RT, D = q.shape
     L = k.shape[2]
-    if visible is None and _FLASH_CPU is not None and q.device.type == "cpu":
+    if visible is None and fused and q.device.type == "cpu" and _FLASH_CPU is not None:
         o, lse = _FLASH_CPU(q, k, v, scale=1.0)                    # [B, G, R*T, D], [B, G, R*T]
         return o.float(), lse.unsqueeze(-1)
+    if visible is None and fused and q.device.type == "cuda" and use_fused_cuda(q):
+        return fused_cuda(q, k, v)
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that stalls under CPU load
     s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()
     if visible is not None:
@@ -116,6 +150,86 @@ def merge_group(parts):
     return torch.matmul(o, w).squeeze(-1), total                   # [B, G, R*T, D]
 
 
+# -----------------------------------------------------------------------------
+# chunk layouts: how K and V are laid out in a chunk's bytes; the store moves the chunk whatever its shape and dtype
+
+class PlainLayout:
+    """K and V as computed: a chunk [2, B, G, C, D] in the compute dtype. write and read are views, nothing else."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def shape(self, B, G, C, D):
+        return (2, B, G, C, D)
+
+    def write(self, chunk, off, k, v):
+        """k, v [B, G, T, D] into positions off..off+T-1 of the chunk."""
+        T = k.shape[2]
+        chunk[0, :, :, off:off + T] = k
+        chunk[1, :, :, off:off + T] = v
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] of the first `upto` positions of a chunk [2, B, G, C, D]."""
+        if upto == chunk.shape[3]:
+            return chunk.unbind(0)  # a sealed chunk: two views made in one call (a visit is the hot loop)
+        return chunk[0, :, :, :upto], chunk[1, :, :, :upto]
+
+
+class Int8Layout:
+    """K and V quantized symmetrically, one scale per token and kv head: a uint8 chunk [2, B, G, C, D + 4] whose
+    rows are D int8 values then their fp32 scale (amax|x| / 127) as 4 bytes. The scales live inside the chunk so
+    that it stays one contiguous buffer that every tier moves as a unit; K and V cross every link at about half
+    the bytes of bf16 (D=128: 132 bytes a row instead of 256). fp32 scales rather than bf16 ones: exact, so that
+    the error stays within scale/2, for 2 more bytes a row; with D a multiple of 4 (every real head_dim), a row
+    stride of D + 4 keeps the scales 4-byte aligned, readable as an fp32 view without a copy.
+    Dequantized to the compute dtype chunk by chunk, right before attention: a function of the stored bytes only,
+    so every tier stays bit-identical to --offload none with the same --kv-dtype."""
+
+    S = 4  # bytes of a row's scale
+
+    def __init__(self, compute_dtype):
+        self.dtype, self.compute_dtype = torch.uint8, compute_dtype  # what the store holds; what attention gets
+
+    def shape(self, B, G, C, D):
+        return (2, B, G, C, D + self.S)
+
+    def write(self, chunk, off, k, v):
+        """Quantize k, v [B, G, T, D] into positions off..off+T-1 of the uint8 chunk."""
+        T, D = k.shape[2], k.shape[3]
+        x = torch.stack((k, v)).float()                                          # [2, B, G, T, D]
+        scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min_(torch.finfo(torch.float32).tiny)  # [.., T, 1]
+        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)              # [2, B, G, T, D]
+        rows = chunk[:, :, :, off:off + T]                                       # [2, B, G, T, D + 4] uint8
+        rows[..., :D] = q.view(torch.uint8)
+        rows[..., D:] = scale.view(torch.uint8)                                  # [2, B, G, T, 4]: fp32 bytes
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] in the compute dtype, dequantized from the first `upto` positions of a uint8 chunk
+        [2, B, G, C, D + 4]: K and V in one multiply."""
+        kv = chunk[:, :, :, :upto]                                               # [2, B, G, upto, D + 4]
+        D = kv.shape[-1] - self.S
+        scale = kv[..., D:]                                                      # [2, B, G, upto, 4] uint8
+        aligned = D % 4 == 0 and scale.storage_offset() % 4 == 0
+        scale = (scale if aligned else scale.contiguous()).view(torch.float32)   # [2, B, G, upto, 1]
+        x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)  # int8 * fp32: one kernel
+        return x[0], x[1]
+
+
+def chunk_layout(kv_dtype, dtype):
+    """The layout for --kv-dtype (auto: the compute dtype `dtype`)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    return Int8Layout(dtype) if kv_dtype == "int8" else PlainLayout(dtype)
+
+
+def kv_bytes_per_token(args, dtype, kv_dtype="auto"):
+    """Bytes of K and V per position, all layers, as the chunks hold them (int8: with the scales); `args` a
+    ModelArgs, dtype the compute dtype. What crosses a link per offloaded position."""
+    layout = chunk_layout(kv_dtype, dtype)
+    row = math.prod(layout.shape(1, args.n_kv_heads, 1, args.head_dim))
+    return args.n_layers * row * torch.empty((), dtype=layout.dtype).element_size()
+
+
 MERGE_GROUP_BYTES = 4 << 20  # partials stacked per group merge: all of a decode step's, a few of a prefill chunk's
 
 
@@ -132,8 +246,9 @@ class KVCache:
     step's queries all sit in the open chunk.
     """
 
-    def __init__(self, store, windows=None):
+    def __init__(self, store, layout, windows=None):
         self.store = store
+        self.layout = layout                # how K and V sit in a chunk's bytes (PlainLayout, Int8Layout)
         self.chunk_size = store.chunk_size  # C
         self.windows = tuple(windows) if windows is not None else (None,) * store.n_layers  # per layer: W or None
         self.length = 0                     # positions already written and committed
@@ -166,24 +281,23 @@ class KVCache:
         G = k.shape[1]
         R = H // G
         off = self.length % self.chunk_size
-        kv = self.store.open_chunk(layer)                              # [2, B, G, C, D] on the device
-        kv[0, :, :, off:off + T] = k
-        kv[1, :, :, off:off + T] = v
+        kv = self.store.open_chunk(layer)                              # layout.shape(B, G, C, D), on the device
+        self.layout.write(kv, off, k, v)
         q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)  # rows are (r, t) pairs
         C, W = self.chunk_size, self.windows[layer]
         q_pos = None if W is None else self.length + torch.arange(R * T, device=q.device) % T  # [R*T] row positions
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))          # a function of shapes only: placement-free
-        state, parts, load, release = None, [], self.store.load, self.store.release
+        state, parts, load, release, read = None, [], self.store.load, self.store.release, self.layout.read
         # a row with no visible key in a chunk (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
         for j in range(first_visible_chunk(W, self.length, C), self.n_sealed):  # sealed: every key is in the past
-            k_j, v_j = load(layer, j)                                  # [B, G, C, D] each, on the device
+            k_j, v_j = read(load(layer, j), C)                         # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
             edge = W is not None and j * C <= self.length + T - 1 - W  # its first key is out of the last query's window
             visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W) if edge else None  # [R*T, C]
             parts.append(attend_chunk(q, k_j, v_j, visible))
             release(layer, j)                                          # its staging slot may be refilled
             if len(parts) == group:
                 state, parts = merge(state, *merge_group(parts)), []
-        parts.append(attend_open_chunk(q, kv[0, :, :, :off + T], kv[1, :, :, :off + T], off, R, W))
+        parts.append(attend_open_chunk(q, *read(kv, off + T), off, R, W))  # k, v [B, G, off+T, D]
         o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
@@ -195,11 +309,14 @@ class KVCache:
         return self.length % self.chunk_size == 0
 
 
-def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None):
-    """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says.
-    disk_path, restore and on_durable are the resume hooks of task.py (see TieredStore)."""
+def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None, kv_dtype="auto"):
+    """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an OffloadConfig) says, K and V
+    held as kv_dtype says (KV_DTYPES). disk_path, restore and on_durable are the resume hooks of task.py (see
+    TieredStore)."""
     a, emb = model.args, model.tok_embeddings.weight
-    store = TieredStore(shape=(2, 1, a.n_kv_heads, chunk_size, a.head_dim), dtype=emb.dtype, n_layers=a.n_layers,
+    layout = chunk_layout(kv_dtype, emb.dtype)
+    G = model.layers[0].attention.n_local_kv_heads  # this rank's kv heads (all of them without tensor parallel)
+    store = TieredStore(shape=layout.shape(1, G, chunk_size, a.head_dim), dtype=layout.dtype, n_layers=a.n_layers,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
                         on_durable=on_durable)
-    return KVCache(store, a.layer_windows)
+    return KVCache(store, layout, a.layer_windows)

@@ -11,7 +11,6 @@ every cached and offloaded path is checked against. `model(tokens, cache)` hands
 or transfers. RoPE frequencies (plain, linear, llama3, YaRN) and stretching them past the trained context: rope.py.
 """
 import dataclasses
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,15 +19,11 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 
+from checkpoint import CheckpointError, checkpoint_files, iter_checkpoint, read_json  # noqa: F401 (re-exported)
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot load; the message names the file, field or tensor and what to do."""
 
 
 # -----------------------------------------------------------------------------
@@ -198,17 +193,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wv = nn.Linear(E, G * D, bias=args.qkv_bias)
         self.wo = nn.Linear(H * D, E, bias=args.o_bias)
+        self.n_local_heads, self.n_local_kv_heads = H, G  # the heads this process holds; tp.py lowers them
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial wo output
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
-        H, G, D = self.args.n_heads, self.args.n_kv_heads, self.args.head_dim
+        H, G, D = self.n_local_heads, self.n_local_kv_heads, self.args.head_dim
         q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:  # the reference: every position attends to all earlier ones (in its window), nothing is kept
-            k = k.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
-            v = v.repeat_interleave(self.args.n_rep, dim=1)  # [B, H, T, D]
+            k = k.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
+            v = v.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
             window = self.args.layer_windows[layer]
             if window is None or T <= window:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
@@ -216,7 +213,8 @@ class Attention(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_mask(T, window, x.device))
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
-        return self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        y = self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class FeedForward(nn.Module):
@@ -225,9 +223,11 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate_proj
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up_proj
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down_proj
+        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial w2 output
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        y = self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, E]
+        return y if self.all_reduce is None else self.all_reduce(y)
 
 
 class Block(nn.Module):
@@ -351,57 +351,3 @@ def hf_to_ours(hf_name, args):
 
 def ours_to_hf(name):
     return _translate(name, _REVERSE_MAP) or name
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except FileNotFoundError:
-        ckpt_dir = os.path.dirname(path) or "."
-        gguf = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".gguf")) if os.path.isdir(ckpt_dir) else []
-        if gguf and os.path.basename(path) == "config.json":  # a llama.cpp download: say how to get safetensors
-            raise CheckpointError(
-                f"{ckpt_dir} holds {gguf[0]}, a llama.cpp file; this project loads Hugging Face safetensors "
-                "checkpoints: download the original model, or convert it with transformers "
-                f"(pip install gguf; AutoModelForCausalLM.from_pretrained(\"{ckpt_dir}\", gguf_file=\"{gguf[0]}\")"
-                ".save_pretrained(OUT), and the same for AutoTokenizer)") from None
-        raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, not {type(obj).__name__}")
-    return obj
-
-
-def checkpoint_files(ckpt_dir):
-    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index names."""
-    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: has no 'weight_map'")
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json "
-                              "(only safetensors checkpoints are loaded; convert .bin files with transformers first)")
-    paths = [os.path.join(ckpt_dir, f) for f in files]
-    for p in paths:
-        if not os.path.exists(p):
-            raise CheckpointError(f"{p}: shard named in the index is missing")
-    return paths
-
-
-def iter_checkpoint(ckpt_dir):
-    """Yield (name, tensor, file) one tensor at a time, so only one tensor is held beyond the model."""
-    for path in checkpoint_files(ckpt_dir):
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name), path
-        except CheckpointError:
-            raise
-        except Exception as e:  # safetensors reports truncation and corruption with its own error types
-            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupt") from None

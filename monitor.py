@@ -59,6 +59,26 @@ def process_io():
     return out
 
 
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+
+
+def progress_line(stats, n_prompt, n_new):
+    """The statistics line generate.py prints on stderr after one prompt."""
+    b, c = stats["bytes"], stats["chunks"]
+    return (f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s ({stats['prefill_tokens_per_s']:.1f} tok/s) | "
+            f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s | peak device {fmt_bytes(stats['peak_device_bytes'])} | "
+            f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} (anon {fmt_bytes(stats['peak_host_anon_bytes'])}) | "
+            f"chunks device/host/disk {c['device']}/{c['host']}/{c['disk']} | h2d {fmt_bytes(b['h2d'])} "
+            f"d2h {fmt_bytes(b['d2h'])} | disk tier: write {fmt_bytes(b['disk_write'])} read {fmt_bytes(b['disk_read'])}"
+            f" attended in place {fmt_bytes(b['disk_mapped_read'])} | storage I/O read "
+            f"{fmt_bytes(stats['io']['storage_read'])} write {fmt_bytes(stats['io']['storage_write'])}"
+            + (f" | resumed from position {stats['resumed_from']}" if stats.get("resumed_from") else ""))
+
+
 class Monitor:
     """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts, keeps totals for the summary."""
 
@@ -158,11 +178,13 @@ class Monitor:
                 for k, v in stats["bytes"].items():
                     t["bytes"][k] = t["bytes"].get(k, 0) + v
 
-    def summary(self):
-        t = self.totals
-        gib = lambda n: f"{n / 2**30:.2f} GiB"
+    def summary(self, totals=None):
+        """The closing lines of a batch: this process's totals, or the `totals` given (a whole torchrun batch)."""
+        t = totals or self.totals
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        rate = f", {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's {t['wall_s']:.1f}s" if t.get("wall_s") else ""
         lines = [f"tasks: {t['done']} done, {len(t['failed'])} failed, {t['resumed']} resumed",
-                 f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding",
+                 f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",
                  "bytes: " + ", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())]
         lines += [f"FAILED {task}: {err}" for task, err in t["failed"]]

@@ -13,13 +13,13 @@ A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D
 The store's verbs, in the order generate.forward calls them:
     prefetch(n)   start of a step: queue every sealed chunk not on the device, in the order attention reads them
     open_chunk(l) the device buffer that layer l writes this step's K and V into
-    load(l, j)    chunk j of layer l as device tensors (waits for its prefetch if it was staged)
+    load(l, j)    chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
     release(l, j) attention is done with it; its staging slot may be refilled
     seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
     close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (the host tier and the pinned bounce buffers) and Staging (device slots filled
-ahead of attention), both in pools.py, a reader thread (disk reads, zstd) and a writer thread (disk writes and
-the syncs a manifest needs: on a thread of their own, so that a chunk boundary never delays the next prefetch).
+Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots filled ahead of
+attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread (disk writes, the syncs a
+manifest needs), apart so that a chunk boundary never delays the next prefetch.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
 silently, so every wait is marked in the code as "rule N":
@@ -29,11 +29,10 @@ silently, so every wait is marked in the code as "rule N":
     4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
        only after the copy out of it has finished;
     5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies using it finish.
-Evictions (device to host) run on their own stream, prefetches (host to device) on another, so neither queues
-behind the other. On CPU there are no streams: "device" and host are the same memory. Without compression, host
-chunks and raw disk chunks are read in place (a disk chunk is a zero-copy view of the mapped file, so its pages
-belong to the page cache, not to the process); with zstd, the reader decompresses disk chunks (and copies host
-chunks) into staging slots ahead of attention.
+Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues behind the other.
+On CPU there are no streams ("device" and host are one memory): without zstd, host and raw disk chunks are read in
+place (a disk chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
+decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
 """
 import os
 import queue
@@ -142,7 +141,7 @@ class TieredStore:
                 self.bounce_free.put(b)
 
     def _count(self, key, n):
-        with self.count_lock:
+        with self.count_lock:  # the reader, the writer and the main thread all count
             self.bytes[key] += n
 
     # ---- a step: prefetch, open_chunk, load, release ------------------------------------------------------
@@ -236,7 +235,7 @@ class TieredStore:
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
             kv = self.staging.slots[slot]
-        return kv[0], kv[1]
+        return kv
 
     def release(self, layer, j):
         if not self.staged or self.loc[(layer, j)] is DEVICE:
@@ -351,8 +350,7 @@ class TieredStore:
             as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
 
     def _event(self, stream):
-        e = torch.cuda.Event()
-        e.record(stream)  # rule 4, 5: an eviction's copy (out of a device buffer, into host memory) ends here
+        (e := torch.cuda.Event()).record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
         return e
 
     def _device_buffer(self):
@@ -384,15 +382,13 @@ class TieredStore:
             self.chunk_bytes // self.chunk_size)
         with self.count_lock:
             moved = dict(self.bytes)
-        pinned = self.host.pinned_bytes + (self.read_bounces.pinned_bytes + self.write_bounces.pinned_bytes
-                                           if self.cuda else 0)
+        pinned = sum(p.pinned_bytes for p in (self.host, *((self.read_bounces, self.write_bounces) if self.cuda else ())))
         return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now, "kv_device_bytes_peak": self.peak_device_bytes,
                 "pinned_bytes": pinned, "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
-        for worker in (self.reader, self.writer):
-            if worker is not None:
-                worker.shutdown(wait=True)
+        for worker in filter(None, (self.reader, self.writer)):
+            worker.shutdown(wait=True)
         if self.cuda:
             self.copy_stream.synchronize()   # rule 5: a failed step's staged copies still read bounces unpinned below
             self.evict_stream.synchronize()  # rule 5: the last evictions may still write host chunks unpinned below

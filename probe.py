@@ -20,7 +20,7 @@ import torch
 
 from cli import DTYPES
 from generate import decode_one_token, prefill
-from kvcache import make_cache
+from kvcache import kv_bytes_per_token, make_cache
 from offload import OffloadConfig
 
 GB = 1e9
@@ -112,18 +112,19 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
     return {"write": n / write_s / GB, "read": n / read_s / GB, "method": method, "dir": dirpath}
 
 
-def zstd_on_real_kv(model, chunk_size, n_chunks=2):
+def zstd_on_real_kv(model, chunk_size, n_chunks=2, kv_dtype="auto"):
     """The sealed chunks of a short prefill, compressed as the disk tier's DiskTier.write does (byte planes split,
-    zstd level 1), then decompressed and un-split as its read_into does on the worker for every disk+zstd read."""
+    zstd level 1), then decompressed and un-split as its read_into does on the worker for every disk+zstd read.
+    With kv_dtype int8 the chunks are the uint8 ones the disk tier would store (one byte plane)."""
     try:
         import zstandard
     except ImportError:
         return None
-    cache = make_cache(model, OffloadConfig(), chunk_size, chunk_size * n_chunks + 1)
+    cache = make_cache(model, OffloadConfig(), chunk_size, chunk_size * n_chunks + 1, kv_dtype=kv_dtype)
     ids = torch.randint(3, model.args.vocab_size, (1, chunk_size * n_chunks), generator=torch.Generator().manual_seed(1))
     try:
         prefill(model, cache, ids.to(next(model.parameters()).device))
-        chunks = [torch.stack(cache.store.load(l, j)).cpu() for l in range(model.args.n_layers) for j in range(n_chunks)]
+        chunks = [cache.store.load(l, j).cpu() for l in range(model.args.n_layers) for j in range(n_chunks)]
     finally:
         cache.store.close()
     zc, zd, item = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor(), chunks[0].element_size()
@@ -143,22 +144,30 @@ def zstd_on_real_kv(model, chunk_size, n_chunks=2):
 # -----------------------------------------------------------------------------
 # calibration and prediction
 
-def decode_step_s(model, ctx, chunk_size, steps=8):
-    """Median decode step at context ctx on the real path (model + KVCache, --offload none), the cache filled with
-    synthetic K and V through its own verbs instead of a prefill: seconds, not minutes, at any context."""
-    a, dev = model.args, next(model.parameters()).device
-    cache = make_cache(model, OffloadConfig(), chunk_size, ctx + steps + 2)
+def filled_cache(model, ctx, chunk_size, room, kv_dtype="auto"):
+    """A cache at context ctx (--offload none), filled with synthetic K and V through its own verbs instead of a
+    prefill: seconds, not minutes, at any context. `room`: positions left for decoding."""
+    a, dev = model.args, model.tok_embeddings.weight.device
+    cache = make_cache(model, OffloadConfig(), chunk_size, ctx + room, kv_dtype=kv_dtype)
+    G = model.layers[0].attention.n_local_kv_heads
+    while cache.length < ctx:
+        off = cache.length % chunk_size
+        n = min(chunk_size - off, ctx - cache.length)
+        cache.begin(n)
+        for layer in range(a.n_layers):  # what attention writes for n positions, through the cache's layout
+            k, v = torch.rand(2, 1, G, n, a.head_dim, device=dev).sub_(0.5).mul_(2)  # [B, G, n, D]
+            cache.layout.write(cache.store.open_chunk(layer), off, k, v)
+        if cache.commit():               # a full chunk is sealed, as after a prefill step
+            cache.store.seal(cache.n_sealed - 1)
+    return cache
+
+
+def decode_step_s(model, ctx, chunk_size, steps=8, kv_dtype="auto"):
+    """Median decode step at context ctx on the real path (model + KVCache, --offload none)."""
+    cache = filled_cache(model, ctx, chunk_size, steps + 2, kv_dtype)
     try:
-        while cache.length < ctx:
-            off = cache.length % chunk_size
-            n = min(chunk_size - off, ctx - cache.length)
-            cache.begin(n)
-            for layer in range(a.n_layers):  # what attention writes for n positions: K at [0], V at [1]
-                cache.store.open_chunk(layer)[:, :, :, off:off + n].uniform_(-1, 1)
-            if cache.commit():               # a full chunk is sealed, as after a prefill step
-                cache.store.seal(cache.n_sealed - 1)
-        token = torch.tensor([[3]], device=dev)
-        return median_time(lambda: decode_one_token(model, cache, token), dev, reps=steps)
+        token = torch.tensor([[3]], device=cache.store.device)
+        return median_time(lambda: decode_one_token(model, cache, token), cache.store.device, reps=steps)
     finally:
         cache.store.close()
 
@@ -169,6 +178,25 @@ def visit_cost_s(model, ctx=16384, small=64, big=4096, steps=8):
     big chunks attend the same keys, so their difference divided by the extra visits is the cost per visit."""
     t_small, t_big = decode_step_s(model, ctx, small, steps), decode_step_s(model, ctx, big, steps)
     return (t_small - t_big) / (model.args.n_layers * (ctx // small - ctx // big))
+
+
+def kernels_per_visit(model, ctx=16384, small=64, big=4096):
+    """CUDA: device kernels launched per chunk visit, counted with torch.profiler over one decode step at small and
+    big chunks (the same keys attended): the difference divided by the extra visits."""
+    from torch.profiler import ProfilerActivity, profile
+    counts = []
+    for C in (small, big):
+        cache = filled_cache(model, ctx, C, 4)
+        try:
+            token = torch.tensor([[3]], device=cache.store.device)
+            decode_one_token(model, cache, token)  # warm-up: the fused kernel's one-time check, allocator
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decode_one_token(model, cache, token)
+                torch.cuda.synchronize()
+            counts.append(sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA"))
+        finally:
+            cache.store.close()
+    return (counts[0] - counts[1]) / (model.args.n_layers * (ctx // small - ctx // big))
 
 
 def worker_handoff_s(n=100):
@@ -182,11 +210,12 @@ def calibrate(model, args, contexts, modes, disk=False):
     step is measured at a context inside one chunk and at n_b sealed chunks: their difference is the cost of
     attending to L * n_b sealed chunks, from which longer contexts are extrapolated, one chunk at a time."""
     n_b = max(1, min(8, max(contexts) // args.chunk_size))
-    cal = {"step_s": decode_step_s(model, 1, args.chunk_size), "link_gbps": link_bandwidth(args.device),
-           "step_at_s": {n_b: decode_step_s(model, n_b * args.chunk_size, args.chunk_size)}}
+    step = lambda ctx: decode_step_s(model, ctx, args.chunk_size, kv_dtype=args.kv_dtype)  # noqa: E731
+    cal = {"step_s": step(1), "link_gbps": link_bandwidth(args.device), "step_at_s": {n_b: step(n_b * args.chunk_size)}}
     cal["chunk_s"] = max(0.0, cal["step_at_s"][n_b] - cal["step_s"]) / (model.args.n_layers * n_b)
     cal["worker_handoff_s"] = worker_handoff_s()
-    cal["zstd"] = zstd_on_real_kv(model, args.chunk_size) if "disk+zstd" in modes or disk else None
+    cal["zstd"] = zstd_on_real_kv(model, args.chunk_size, kv_dtype=args.kv_dtype) if "disk+zstd" in modes or disk \
+        else None
     if disk:
         cal["disk_gbps"] = disk_bandwidth(args.offload_dir, args.probe_mib << 20)
     return cal
@@ -218,7 +247,7 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
         return None
     sealed = margs.n_layers * n_sealed(ctx, args)
     n_off = 0 if mode == "none" else margs.n_layers * max(0, n_sealed(ctx, args) - args.window)
-    chunk = margs.kv_bytes_per_token(DTYPES[args.dtype]) // margs.n_layers * args.chunk_size
+    chunk = kv_bytes_per_token(margs, DTYPES[args.dtype], args.kv_dtype) // margs.n_layers * args.chunk_size
     worker = h + (z["decompress_s_per_chunk"] * chunk / z["chunk_bytes"] if mode == "disk+zstd" else
                   chunk / (link["host_memcpy"] * GB) if mode == "disk" else 0.0)
     if cuda and mode != "none":
@@ -230,7 +259,8 @@ def predict_decode(cal, ctx, mode, args, margs, cuda):
 
 def verdict(cal, args, margs, contexts, modes, cuda):
     """Plain words: will offload pay on this machine?"""
-    ctx, link, kv = max(contexts), cal["link_gbps"], max(contexts) * margs.kv_bytes_per_token(DTYPES[args.dtype])
+    ctx, link = max(contexts), cal["link_gbps"]
+    kv = ctx * kv_bytes_per_token(margs, DTYPES[args.dtype], args.kv_dtype)
     pred = {m: predict_decode(cal, ctx, m, args, margs, cuda) for m in ["none"] + modes}
     out = [f"Predicted decode at {ctx} tokens relative to --offload none: " +
            ", ".join(f"{m} {pred[m] / pred['none']:.2f}x" for m in modes if m != "none" and pred[m]) + "."]
@@ -270,7 +300,8 @@ def report(machine, cal, args, margs, contexts, modes, cuda):
              f"{gpus}; {machine['cpu_count']} CPUs, {machine['torch_threads']} torch threads, load {machine['loadavg']}",
              "copy bandwidth GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in cal["link_gbps"].items()),
              f"{args.ckpt}: {margs.n_layers} layers x {margs.n_kv_heads} kv heads x {margs.head_dim}, "
-             f"{margs.kv_bytes_per_token(DTYPES[args.dtype]) / 1024:.1f} KiB of {args.dtype} KV per token",
+             f"{kv_bytes_per_token(margs, DTYPES[args.dtype], args.kv_dtype) / 1024:.1f} KiB of KV per token "
+             f"({args.dtype} compute, --kv-dtype {args.kv_dtype})",
              f"calibration: decode step {cal['step_s'] * 1e3:.2f} ms inside one chunk, " + ", ".join(
                  f"{s * 1e3:.2f} ms with {n} sealed chunks" for n, s in cal["step_at_s"].items()) + f" per layer: "
              f"{cal['chunk_s'] * 1e6:.0f} us per sealed chunk; worker handoff {cal['worker_handoff_s'] * 1e6:.1f} us "

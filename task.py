@@ -14,6 +14,7 @@ from kvcache import make_cache
 from monitor import host_memory, process_io
 from offload import on_cuda
 from taskdir import TaskDir
+from tp import Layout, agree_min, broadcast_token
 
 
 def resume_point(manifest, task, chunk_size):
@@ -32,25 +33,33 @@ def resume_point(manifest, task, chunk_size):
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None):
+             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None,
+             kv_dtype="auto"):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
 
-    cfg is an OffloadConfig. on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
+    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
     forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
     fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
     manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
     directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from.
     kv_store (a kvstore.KVStore): adopt the longest stored prefix of this prompt's full chunks, and store the
-    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache)."""
+    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache). Under tensor
+    parallelism (layout, see tp.py) each rank keeps its own store in task_<id>/rank<r>/, the ranks resume together
+    from the shortest prefix they all vouch for, and rank 0's sampled token is everyone's."""
     device = model.tok_embeddings.weight.device
-    taskdir = TaskDir(cfg.offload_dir, task_id) if cfg.mode == "disk" else None
+    layout = layout or Layout.single()
+    taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
+    if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
+        fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
     task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
-            "chunk_size": chunk_size, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
+            "chunk_size": chunk_size, "kv_dtype": kv_dtype, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
             "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
+    n_restore = agree_min(n_restore, layout)  # the ranks of a replica step together: same prefix, same replay
+    replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the writer thread
 
     def durable(n, chunks):  # writer thread: chunks 0..n-1 are synced; vouch for them
@@ -61,14 +70,21 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     stream = torch.cuda.Stream(device) if on_cuda(device) else None
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            cache = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
-                               restore=manifest["chunks"] if n_restore else None,
-                               on_durable=durable if taskdir and fingerprint else None)
-            if n_restore:  # positions past the restored chunks are recomputed, the replayed tokens fed again
-                restored = cache.store.restore(n_restore, manifest["chunks"])
-                if restored < n_restore and log:
-                    log(f"task {task_id}: chunk {restored} is missing or fails its checksum; recomputing from there")
-                cache.length = restored * chunk_size
+            def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
+                c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
+                               restore=manifest["chunks"] if n else None,
+                               on_durable=durable if taskdir and fingerprint else None, kv_dtype=kv_dtype)
+                return c, c.store.restore(n, manifest["chunks"]) if n else 0
+            cache, restored = open_cache(n_restore)
+            agreed = agree_min(restored, layout)
+            if agreed < restored:  # another rank's store vouches for fewer chunks: reopen ours at that prefix
+                cache.store.close()
+                cache = None
+                cache, restored = open_cache(agreed)
+            if restored < n_restore and log:
+                log(f"task {task_id}: chunk {restored} is missing or fails its checksum"
+                    f"{' on some rank' if layout.tp > 1 else ''}; recomputing from there")
+            cache.length = restored * chunk_size
             resumed_from = cache.length
             prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model) if kv_store else None
             if prompt_cache:
@@ -80,7 +96,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                 if on_step:
                     on_step(phase, logits, cache)
             new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                                        out=out, on_token=on_token, on_step=step, stream=stream)
+                                        out=out, on_token=on_token, on_step=step, stream=stream, layout=layout)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
         ok = True
@@ -89,11 +105,12 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"] = resumed_from
+    stats["resumed_from"], stats["kv_dtype"] = resumed_from, kv_dtype
     return new, stats
 
 
-def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream):
+def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream,
+                   layout=None):
     """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed tokens on
     entry and the tokens so far as they come; stream is this task's CUDA stream (None on CPU)."""
     peak = {"anon": 0, "rss": 0, "file": 0}
@@ -121,7 +138,8 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
             on_token(new)
 
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
-    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed)
+    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed,
+                   share=None if layout is None or layout.tp == 1 else lambda token: broadcast_token(token, layout))
     snap, io_end = cache.store.snapshot(), process_io()
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return new, {

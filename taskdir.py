@@ -54,8 +54,10 @@ def model_fingerprint(ckpt_dir):
 class TaskDir:
     """Create (owner-only) and lock offload_dir/task_<id>/. Two users of one directory are refused."""
 
-    def __init__(self, root, task_id):
-        self.path = os.path.join(root, safe_task_name(task_id))
+    def __init__(self, root, task_id, sub=None):
+        """sub: a rank's own subdirectory (tensor parallel: every rank keeps its store in task_<id>/rank<r>/)."""
+        self.top = os.path.join(root, safe_task_name(task_id))
+        self.path = os.path.join(self.top, sub) if sub else self.top
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             self.lock_fd = os.open(os.path.join(self.path, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -109,5 +111,7 @@ class TaskDir:
         if remove:
             try:
                 os.rmdir(self.path)
+                if self.path != self.top:
+                    os.rmdir(self.top)  # the last rank to finish removes task_<id>/ itself
             except OSError:
                 pass

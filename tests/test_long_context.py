@@ -15,7 +15,7 @@ import kvcache
 import task
 from ckpt import build_checkpoint, edit_config
 from generate import Sampling
-from kvcache import KVCache, first_visible_chunk
+from kvcache import PlainLayout, KVCache, first_visible_chunk
 from model import CheckpointError, Transformer
 from offload import OffloadConfig, TieredStore
 from rope import context_refusal, rope_inv_freq, rope_override_note
@@ -225,7 +225,7 @@ def test_cache_without_the_windows_is_refused(pair):
     ours, _, _ = pair("mistral-window")
     a = ours.args
     cache = KVCache(TieredStore(shape=(2, 1, a.n_kv_heads, 8, a.head_dim), dtype=torch.float32, n_layers=a.n_layers,
-                                max_length=64, device="cpu", cfg=OffloadConfig()))
+                                max_length=64, device="cpu", cfg=OffloadConfig()), PlainLayout(torch.float32))
     cache.begin(1)
     with pytest.raises(ValueError, match="make_cache"):
         ours(torch.tensor([[5]]), cache)

@@ -14,10 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = [
     {"bench", "probe", "verify", "tune", "doctor"},                      # measure and prove
     {"cli"},                                                             # flags, checks, generate.py's main
-    {"batch", "task", "taskdir", "monitor", "dist"},                     # tasks, resume, data parallel, trace
+    {"batch", "task", "taskdir", "monitor", "launch"},                   # tasks, resume, torchrun, trace
     {"generate"},                                                        # the loop
-    {"model", "quantize", "tp", "tokenizer", "progress"},                # the network, text <-> ids
-    {"kvcache"},                                                         # chunks as attention sees them
+    {"model", "rope", "quantize", "tp", "tokenizer", "progress", "random_model"},  # the network, text <-> ids
+    {"kvcache", "checkpoint"},                                           # chunks as attention sees them; the files
     {"offload", "kvstore", "disk", "pools"},                             # where bytes live and move
 ]
 RANK = {m: i for i, row in enumerate(LAYERS) for m in row}
@@ -67,7 +67,7 @@ def test_imports_flow_down_and_have_no_cycle():
 
 
 def test_core_imports_nothing_above_the_loop():
-    core = {"model", "kvcache", "offload", "disk", "pools", "generate", "tokenizer"}
+    core = {"model", "rope", "checkpoint", "kvcache", "offload", "disk", "pools", "generate", "tokenizer"}
     for m in core:
         assert imports_of(m) <= core | {"quantize", "tp", "progress", "kvstore"}, (m, imports_of(m))
 

@@ -1,0 +1,69 @@
+"""
+Random checkpoints of a given shape, for benchmarks and the tuner: ModelArgs -> random weights -> safetensors under
+Hugging Face names and a config.json that both this project and transformers load.
+
+    sizes = parse_model_spec("7b-like,layers=4")      # a preset and/or dim=,layers=,heads=,kv_heads=,head_dim=,...
+    build_random_checkpoint(sizes, "/tmp/m", torch.bfloat16)
+"""
+import json
+import os
+
+import torch
+
+from model import ModelArgs, Transformer, ours_to_hf
+
+SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
+PRESETS = {  # --random-model NAME[,key=value,...]
+    "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000),  # Llama-2-7B
+    "kv-heavy": dict(dim=1024, layers=4, heads=16, kv_heads=16, head_dim=64, hidden=2816, vocab=32000),
+    "tiny": dict(dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, hidden=128, vocab=256),
+}
+
+
+
+def parse_model_spec(spec, layers=None):
+    """'7b-like', '7b-like,kv_heads=8' or 'dim=512,layers=4,heads=8,kv_heads=8,hidden=1376,vocab=32000'."""
+    sizes = {}
+    for i, part in enumerate(p.strip() for p in spec.split(",") if p.strip()):
+        key, eq, val = part.partition("=")
+        if not eq and i == 0 and key in PRESETS:
+            sizes.update(PRESETS[key])
+        elif eq and key in SIZE_KEYS and val.isdigit() and int(val) > 0:
+            sizes[key] = int(val)
+        else:
+            raise ValueError(f"--random-model: cannot read {part!r}; give a preset {sorted(PRESETS)} and/or "
+                             f"key=positive integer pairs, keys {SIZE_KEYS}")
+    sizes.update({} if layers is None else {"layers": layers})
+    missing = [k for k in SIZE_KEYS if k not in sizes and k != "head_dim"]
+    if missing or sizes["heads"] % sizes["kv_heads"]:
+        raise ValueError(f"--random-model {spec}: " + (f"missing {missing}" if missing else
+                         f"heads={sizes['heads']} is not a multiple of kv_heads={sizes['kv_heads']}"))
+    sizes.setdefault("head_dim", sizes["dim"] // sizes["heads"])
+    return sizes
+
+
+def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0):
+    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load. Linear weights at
+    std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device` (fast on a GPU)."""
+    from safetensors.torch import save_file
+    a = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"], n_kv_heads=sizes["kv_heads"],
+                  head_dim=sizes["head_dim"], hidden_dim=sizes["hidden"], vocab_size=sizes["vocab"],
+                  max_seq_len=max_positions, torch_dtype=str(dtype).removeprefix("torch."))
+    with torch.device("meta"):
+        model = Transformer(a)
+    g, tensors = torch.Generator(device).manual_seed(seed), {}
+    for name, p in model.named_parameters():
+        std = 1.0 if name.startswith("tok_embeddings") else p.shape[-1] ** -0.5
+        tensors[ours_to_hf(name)] = torch.ones(p.shape, dtype=dtype) if "norm" in name else \
+            (torch.randn(p.shape, generator=g, device=device) * std).to(dtype).cpu()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": a.dim,
+              "intermediate_size": a.hidden_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
+              "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
+              "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": a.torch_dtype,
+              "bos_token_id": 1, "eos_token_id": 2}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir
