@@ -9,7 +9,7 @@ The store calls nothing itself; these wrappers stand around its verbs and report
     alloc_chunks             registers every new chunk buffer (fresh memory: no history), in offload.py and pools.py
     TieredStore.__init__     names the buffers: staging slot i, host pool slot i, read bounce i, write bounce i
     TieredStore.open_chunk   a compute WRITE of the open chunk (attention writes the step's K and V into it)
-    TieredStore.load         a compute READ of the chunk it returns (attention reads it before release)
+    TieredStore.load         a compute READ of the chunk [2, B, G, C, D] it returns (attention, before release)
     TieredStore.read_back    a host READ of the host pool slot it copied from (numpy: the emulator cannot see it)
     TieredStore.close        after close, no copy may still be queued on the store's copy or eviction stream
                              (what was queued before it is kept in stats["queued_at_close"])
@@ -61,8 +61,7 @@ def _after_open(kv, store, layer):
 
 
 def _after_load(kv, store, layer, j):
-    for t in kv:
-        cuda_emu.EMU.compute_access(t, False, f"{cuda_emu.caller()} (attention reads chunk {j} of layer {layer})")
+    cuda_emu.EMU.compute_access(kv, False, f"{cuda_emu.caller()} (attention reads chunk {j} of layer {layer})")
 
 
 def _after_read_back(out, store, l, j, dst):

@@ -39,9 +39,12 @@ def ordering_lines(source):
 
 
 def mutate(source, n):
+    """Line n becomes `pass`; `(e := expr).record(...)` becomes `e = expr` (the event stays, its record goes)."""
     lines = source.splitlines(keepends=True)
     text = lines[n - 1]
-    lines[n - 1] = text[:len(text) - len(text.lstrip())] + "pass\n"
+    indent = text[:len(text) - len(text.lstrip())]
+    walrus = re.match(r"\s*\((\w+) := (.+)\)\.record\(", text)
+    lines[n - 1] = indent + (f"{walrus.group(1)} = {walrus.group(2)}\n" if walrus else "pass\n")
     return "".join(lines)
 
 
