@@ -28,7 +28,7 @@ silently, so every wait is marked in the code as "rule N":
     3. a staging slot is overwritten only after the compute that last read it has finished;
     4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
        only after the copy out of it has finished;
-    5. a device buffer given back to the pool is reused only after the copy out of it has finished.
+    5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies using it finish.
 Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues behind the other.
 On CPU there are no streams ("device" and host are one memory): without zstd, host and raw disk chunks are read in
 place (a disk chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
@@ -253,7 +253,7 @@ class TieredStore:
         """Chunk j is full on every layer: it joins the device window; the chunk that falls out is offloaded."""
         if self.cuda and self.window < self.n_chunks:
             written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(self.device))
+            written.record(torch.cuda.current_stream(self.device))  # rule 1: after the compute that wrote chunk j
             self.evict_stream.wait_event(written)  # rule 1: copies out wait for the compute that wrote the chunks
         for l in range(self.n_layers):
             self.resident[(l, j)], self.open[l] = self.open[l], None
@@ -350,7 +350,7 @@ class TieredStore:
             as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
 
     def _event(self, stream):
-        (e := torch.cuda.Event()).record(stream)
+        (e := torch.cuda.Event()).record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
         return e
 
     def _device_buffer(self):
@@ -390,8 +390,8 @@ class TieredStore:
         for worker in filter(None, (self.reader, self.writer)):
             worker.shutdown(wait=True)
         if self.cuda:
-            self.copy_stream.synchronize()   # no copy may still read or write a buffer about to be freed
-            self.evict_stream.synchronize()
+            self.copy_stream.synchronize()   # rule 5: a failed step's staged copies still read bounces unpinned below
+            self.evict_stream.synchronize()  # rule 5: the last evictions may still write host chunks unpinned below
             for pool in (self.host, self.read_bounces, self.write_bounces):
                 pool.close()
         if self.disk is not None:

@@ -85,4 +85,4 @@ class Staging:
             self.ready = [torch.cuda.Event() for _ in range(n)]
             self.released = [torch.cuda.Event() for _ in range(n)]
             for e in self.ready + self.released:
-                e.record()
+                e.record()  # rule 2, 3: a slot's first wait (load, refill, bounce refill) waits on a recorded event

@@ -1,0 +1,114 @@
+"""
+The hooks that connect offload.py's TieredStore to the emulated CUDA of cuda_emu.py (installed by its emulate()).
+
+The store calls nothing itself; these wrappers stand around its verbs and report what a GPU would do there:
+    offload.on_cuda(device)  -> True: the store takes its CUDA path with CPU tensors (task.py imports the original
+                             by name and stays on CPU: no per-step stream synchronize hides a missing wait)
+    ThreadPoolExecutor       -> ClockedExecutor: submit/result order the reader and writer threads against their caller
+    queue.Queue              -> ClockedQueue: a write bounce handed back (put, writer thread) orders its next use (get)
+    alloc_chunks             registers every new chunk buffer (fresh memory: no history), in offload.py and pools.py
+    TieredStore.__init__     names the buffers: staging slot i, host pool slot i, read bounce i, write bounce i
+    TieredStore.open_chunk   a compute WRITE of the open chunk (attention writes the step's K and V into it)
+    TieredStore.load         a compute READ of the chunk [2, B, G, C, D] it returns (attention, before release)
+    TieredStore.read_back    a host READ of the host pool slot it copied from (numpy: the emulator cannot see it)
+    TieredStore.close        after close, no copy may still be queued on the store's copy or eviction stream
+                             (what was queued before it is kept in stats["queued_at_close"])
+    DiskTier.read_into/write a host-thread WRITE of the bounce filled from disk / READ of the bounce written to disk
+"""
+import functools
+import queue
+import types
+
+import cuda_emu
+import disk
+import offload
+import pools
+
+
+def _wrap(obj, name, after=None, before=None):
+    orig = getattr(obj, name)
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        if before:
+            before(*args, **kwargs)
+        out = orig(*args, **kwargs)
+        if after:
+            after(out, *args, **kwargs)
+        return out
+    return obj, name, wrapper
+
+
+def _after_alloc(out, *args, **kwargs):
+    for t in out[1]:
+        cuda_emu.EMU.register(t, f"device chunk @{t.data_ptr():#x}", "device")
+
+
+def _after_init(out, store, **kwargs):
+    if not store.cuda:
+        return
+    tag = f"(store {id(store) % 10000})"
+    for label, kind, chunks in [("staging slot", "slot", store.staging.slots),
+                                ("host pool slot", "host", store.host.slots),
+                                ("read bounce", "bounce", store.read_bounces.slots),
+                                ("write bounce", "write bounce", store.write_bounces.slots)]:
+        for i, t in enumerate(chunks):
+            cuda_emu.EMU.rename(t, f"{label} {i} {tag}", kind)
+
+
+def _after_open(kv, store, layer):
+    cuda_emu.EMU.compute_access(kv, True, f"{cuda_emu.caller()} (attention writes open chunk, layer {layer})")
+
+
+def _after_load(kv, store, layer, j):
+    cuda_emu.EMU.compute_access(kv, False, f"{cuda_emu.caller()} (attention reads chunk {j} of layer {layer})")
+
+
+def _after_read_back(out, store, l, j, dst):
+    where = store.loc[(l, j)]
+    if where.tier == "host":
+        cuda_emu.EMU.host_access(store.host.slots[where.slot], False,
+                                 f"{cuda_emu.caller()} (read_back of chunk {j}, layer {l}, from it)")
+
+
+def _before_close(store):
+    """What close() finds queued once its reader has stopped (close's first step, done here first so that the count
+    does not depend on how far the reader got), before it drains it: a test that needs copies in flight checks it."""
+    if store.cuda:
+        if store.reader is not None:
+            store.reader.shutdown(wait=True)
+        queued = {"copy": len(store.copy_stream.ops), "evict": len(store.evict_stream.ops)}
+        cuda_emu.EMU.stats["queued_at_close"] = queued
+
+
+def _after_close(out, store):
+    emu = cuda_emu.EMU
+    for name in ("copy_stream", "evict_stream"):
+        s = getattr(store, name, None)
+        if store.cuda and s is not None and s.ops:
+            emu.findings.append(f"store closed with {len(s.ops)} operations still queued on its {name} "
+                                f"({s.actor.name}): its buffers are freed or unpinned under copies that have not run")
+
+
+def _before_read_into(tier, layer, j, dst):
+    cuda_emu.EMU.host_access(dst, True, f"{cuda_emu.caller()} (disk read of chunk {j}, layer {layer}, into it)")
+
+
+def _before_write(tier, layer, j, src):
+    cuda_emu.EMU.host_access(src, False, f"{cuda_emu.caller()} (disk write of chunk {j}, layer {layer}, from it)")
+
+
+def patches():
+    """(object, attribute, replacement) for cuda_emu.emulate() to install and restore."""
+    S, clocked_queue = offload.TieredStore, types.SimpleNamespace(**vars(queue))
+    clocked_queue.Queue = cuda_emu.ClockedQueue
+    return [
+        (offload, "on_cuda", lambda device: True),
+        (offload, "ThreadPoolExecutor", cuda_emu.ClockedExecutor), (offload, "queue", clocked_queue),
+        _wrap(offload, "alloc_chunks", after=_after_alloc), _wrap(pools, "alloc_chunks", after=_after_alloc),
+        _wrap(S, "__init__", after=_after_init), _wrap(S, "open_chunk", after=_after_open),
+        _wrap(S, "load", after=_after_load), _wrap(S, "read_back", after=_after_read_back),
+        _wrap(S, "close", before=_before_close, after=_after_close),
+        _wrap(disk.DiskTier, "read_into", before=_before_read_into),
+        _wrap(disk.DiskTier, "write", before=_before_write),
+    ]

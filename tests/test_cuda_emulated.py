@@ -1,0 +1,245 @@
+"""
+The store's CUDA path (copy stream, events, pinned pools, staging slots, bounce buffers) run on CPU under the
+emulated CUDA of cuda_emu.py: logits bit-identical to --offload none, and no race, no wait on an event that is
+never recorded, no copy still queued when the store closes. tests/mutate_waits.py checks these tests fail when
+any stream-ordering line of offload.py or pools.py is removed.
+"""
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+import cuda_emu
+import disk
+from disk import DiskError
+from kvstore import KVStore
+from model import Transformer
+from offload import OffloadConfig
+from task import run_task
+
+C, P, NEW = 7, 45, 12  # P + NEW - 1 = 56 positions: the last step seals a chunk, so copies are queued at close
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint):
+    return Transformer.from_pretrained(checkpoint())
+
+
+@pytest.fixture(scope="module")
+def base(llama):
+    """--offload none, outside the emulation: the reference every emulated run must match bit for bit."""
+    return run(llama, prompt(P, llama.args.vocab_size), NEW)
+
+
+def prompt(n, vocab, seed=0):
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=None, **cfg):
+    """run_task with the model on CPU: only offload.on_cuda is patched, so task.py makes no CUDA stream of its own
+    and skips its per-step stream synchronize (a timing aid), which would order every copy before the next step and
+    hide the hazards that span steps (rule 5; copies left for close())."""
+    steps = []
+    out, stats = run_task(model, ids, new, chunk_size=C, cfg=OffloadConfig(**cfg), task_id=task_id,
+                          fingerprint=fingerprint, on_token=on_token, kv_store=kv_store,
+                          on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
+    return out, steps, stats
+
+
+def differences(base, other):
+    """Where the logits or ids differ from the reference ("" if nowhere)."""
+    (ids_a, steps_a, _), (ids_b, steps_b, _) = base, other
+    by_pos = dict(steps_a)
+    if not steps_b:
+        return "no step computed"
+    for pos, logits in steps_b:  # a resumed run starts later: compare the positions it computed
+        if not torch.equal(by_pos[pos], logits):
+            return f"logits differ at position {pos}"
+    return "" if ids_a == ids_b else "ids differ"
+
+
+def assert_good(emu, base, other, label):
+    """No problem found by the emulator, logits bit-identical to the reference, copies really deferred. Problems
+    first: a race names the buffer and the missing rule, a logits difference only says that something is wrong."""
+    problems, diff, stats = emu.problems(), differences(base, other), other[2]
+    assert not problems, f"{label}: {len(problems)} problems ({diff or 'logits identical'})\n" + "\n".join(problems[:8])
+    assert not diff, f"{label}: {diff}"
+    assert emu.stats["deferred"] > 0 and stats["bytes"]["h2d"] > 0 and stats["bytes"]["d2h"] > 0, (label, stats)
+
+
+# -----------------------------------------------------------------------------
+# the emulator itself: it must see what it claims to see
+
+def test_emulator_defers_copies_and_flags_a_missing_wait():
+    with cuda_emu.emulate() as emu:
+        side = torch.cuda.Stream()
+        host = torch.empty(64, dtype=torch.uint8, pin_memory=True).fill_(7)
+        dev = torch.zeros(64, dtype=torch.uint8)
+        emu.register(dev, "dev", "slot")
+        with torch.cuda.stream(side):
+            dev.copy_(host, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        assert dev.sum() == 0, "a copy on a side stream must not run before something orders it"
+        emu.compute_access(dev, False, "read without the wait")   # rule 2 skipped: a race
+        assert any("rule 2" in r for r in emu.problems()), emu.problems()
+        torch.cuda.current_stream().wait_event(ready)
+        emu.compute_access(dev, False, "read after the wait")
+        assert dev.sum() == 7 * 64 and len(emu.det.races) == 1
+        first = torch.cuda.Event()
+        torch.cuda.current_stream().wait_event(first)  # a first use: allowed once the event is recorded later
+        first.record()
+        assert not any("never recorded" in p for p in emu.problems())
+        torch.cuda.current_stream().wait_event(torch.cuda.Event())  # never recorded: orders nothing
+        assert any("never recorded" in p for p in emu.problems())
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        first = torch.cuda.Event()
+        torch.cuda.current_stream().wait_event(first)
+        first.record()
+        assert any("before its first record" in p for p in emu.problems()), "strict: a first wait is reported"
+    assert not torch.cuda.is_available() or torch.version.cuda, "the emulation must be uninstalled on exit"
+
+
+def test_emulator_pinning_and_pageable_copies():
+    """Pinned = allocated with pin_memory, copied by pin_memory(), or registered with cudaHostRegister; an
+    asynchronous copy with no pinned side is reported (on CUDA it would be synchronous)."""
+    with cuda_emu.emulate() as emu:
+        plain, dev = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+        assert not plain.is_pinned() and plain.pin_memory().is_pinned()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            dev.copy_(plain, non_blocking=True)
+        assert any("no pinned side" in p for p in emu.problems()), emu.problems()
+        rt = torch.cuda.cudart()
+        assert rt.cudaHostRegister(plain.data_ptr(), plain.numel(), 0) == 0 and plain.is_pinned()
+        assert rt.cudaHostUnregister(plain.data_ptr()) == 0 and not plain.is_pinned()
+        torch.cuda.synchronize()
+        assert dev.sum() == 0 and emu.stats["forced"] == 1
+
+
+# -----------------------------------------------------------------------------
+# the store's CUDA path against --offload none
+
+CASES = [  # mode, compress, window, staging slots
+    ("cpu", "none", 0, 1), ("cpu", "none", 2, 3), ("disk", "none", 1, 2), ("disk", "zstd", 0, 3), ("disk", "zstd", 2, 1),
+]
+
+
+@pytest.mark.parametrize("mode,compress,window,slots", CASES)
+def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, compress, window, slots):
+    label = f"{mode}+{compress} window {window} slots {slots}"
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode=mode, compress=compress, window=window,
+                    staging_slots=slots, offload_dir=str(tmp_path))
+    assert_good(emu, base, other, label)
+    assert other[2]["chunks"]["host" if mode == "cpu" else "disk"] > 0, (label, other[2])
+
+
+def test_host_budget_spills_to_disk(llama, base, tmp_path):
+    """--offload disk with a small --cpu-budget: the host pool (pinned) takes the first evicted chunks, disk the rest."""
+    slot_bytes = 4096  # one chunk here: 2 x 2 kv heads x 7 positions x 16 dims x 4 bytes, padded to a page
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=1, staging_slots=2,
+                    cpu_budget_gib=3 * slot_bytes / 2**30, offload_dir=str(tmp_path))
+    assert_good(emu, base, other, "spill")
+    assert other[2]["chunks"]["host"] == 3 and other[2]["chunks"]["disk"] > 0, other[2]
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at_6(out):
+    if len(out) == 6:
+        raise Crash
+
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress):
+    """A task killed mid-decode keeps its directory (manifest + chunks); the rerun restores the chunks the manifest
+    vouches for, through the read bounces and staging slots, and must still match --offload none."""
+    ids, cfg = prompt(P, llama.args.vocab_size), dict(mode="disk", compress=compress, window=1, staging_slots=2,
+                                                      offload_dir=str(tmp_path), keep_files=True)
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        with pytest.raises(Crash):
+            run(llama, ids, NEW, task_id="t", fingerprint="model-a", on_token=crash_at_6, **cfg)
+    assert not emu.problems(), emu.problems()
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        other = run(llama, ids, NEW, task_id="t", fingerprint="model-a", **cfg)
+    assert_good(emu, base, other, "resumed")
+    assert other[2]["resumed_from"] >= 3 * C, other[2]
+
+
+def test_prompt_chunks_read_back_for_the_kv_store(llama, base, tmp_path):
+    """The persistent KV store keeps each prompt chunk through read_back, right after its seal: with window 0 the
+    chunk is already in the host pool, its eviction maybe still queued (rule 4). A second run, on the disk tier,
+    adopts the stored chunks: it seals them one after another with no step between, so each seal waits for write
+    bounces that only the writer's hand-back (the bounce queue) orders. Both must match --offload none."""
+    ids, kv = prompt(P, llama.args.vocab_size), KVStore(str(tmp_path / "store"))
+    for mode in ("cpu", "disk"):
+        with cuda_emu.emulate(strict_waits=True) as emu:
+            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode=mode, window=0, staging_slots=2,
+                        offload_dir=str(tmp_path))
+        assert_good(emu, base, other, f"kv store, {mode}")
+    assert other[2]["reused_tokens"] == (P - 1) // C * C, other[2]
+
+
+def test_two_concurrent_tasks(llama, base, tmp_path):
+    """Two tasks in two threads, each with its own store, copy stream, worker and compute stream."""
+    results = {}
+
+    def task(name, **cfg):
+        try:
+            results[name] = run(llama, prompt(P, llama.args.vocab_size), NEW, task_id=name, offload_dir=str(tmp_path),
+                                **cfg)
+        except BaseException as e:  # noqa: BLE001 (reported by the main thread)
+            results[name] = e
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        threads = [threading.Thread(target=task, args=("a",), kwargs=dict(mode="cpu", window=0, staging_slots=1)),
+                   threading.Thread(target=task, args=("b",), kwargs=dict(mode="disk", compress="zstd", window=1,
+                                                                          staging_slots=2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for name, other in results.items():
+        assert not isinstance(other, BaseException), f"task {name}: {other!r}"
+        assert_good(emu, base, other, f"task {name}")
+    assert len(results) == 2
+
+
+def test_full_disk_on_the_cuda_path_with_zstd_raises_disk_error(llama, tmp_path, monkeypatch):
+    """ENOSPC from the 4th blob written on: the task must fail with DiskError (a fallback can act on its errno)."""
+    pwrite, calls = os.pwrite, []
+
+    def full(fd, data, offset):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+    monkeypatch.setattr(os, "pwrite", full)
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        with pytest.raises(DiskError) as e:
+            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", compress="zstd", window=0, staging_slots=2,
+                offload_dir=str(tmp_path))
+    assert e.value.errno == errno.ENOSPC
+    assert not emu.problems(), emu.problems()
+
+
+def test_a_step_that_fails_half_way_leaves_no_copy_behind(llama, tmp_path, monkeypatch):
+    """A disk read fails in the middle of a step: the task raises DiskError while the copies of later chunks are
+    already issued on the copy stream; close() must let them land before it frees the slots and unpins the bounces."""
+    read_into = disk.DiskTier.read_into
+
+    def failing(tier, layer, j, dst):
+        if (layer, j) == (0, 2):
+            raise DiskError(errno.EIO, "injected read error")
+        return read_into(tier, layer, j, dst)
+    monkeypatch.setattr(disk.DiskTier, "read_into", failing)  # before emulate(), which wraps it and restores it
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        with pytest.raises(DiskError):
+            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=0, staging_slots=3,
+                offload_dir=str(tmp_path))
+    assert not emu.problems(), emu.problems()
+    assert emu.stats["queued_at_close"]["copy"] > 0, "no copy left in flight: the test no longer covers close()"
