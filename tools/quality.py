@@ -1,0 +1,131 @@
+"""
+What a lossy setting costs in quality, judged against the unquantized fp32 model on real text: the demo model
+(assets/tinyllama-pydoc) reading pages of Python's own documentation (pydoc_data.topics, `help("assert")` etc.).
+
+    python tools/quality.py --pages 40 --window 256 --prompts 8 --new-tokens 48
+
+Two measurements per variant (fp32, bf16, int8 weights with bf16 or fp32 activations):
+- teacher-forced: every page's first `window` tokens go through the model in one call; top-1 agreement with the
+  fp32 model's next-token choice at every position, and perplexity of the true next tokens (and its change).
+- greedy continuation: the variant continues a real-text prompt greedily through run_task (the cached, chunked
+  path that generation uses); the fp32 model then reads prompt + continuation in one call, and we count how many
+  continuation tokens are also the fp32 model's top-1 at that position.
+The demo model saw these pages in training (all but 5% of its documents) and 256-token windows only; the numbers
+compare settings with each other, they do not say how good the model is.
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import Transformer  # noqa: E402
+from offload import OffloadConfig  # noqa: E402
+from task import run_task  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
+
+DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tinyllama-pydoc")
+# name -> (compute dtype, quantize)
+VARIANTS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+            "int8": (torch.bfloat16, "int8"), "int8-fp32-act": (torch.float32, "int8")}
+
+
+def pydoc_pages(tok, n_pages, window):
+    """Token ids of the first `window` tokens of n_pages pages of pydoc_data.topics, in sorted-key order (skipping
+    pages shorter than a window, so every page contributes the same number of positions)."""
+    from pydoc_data.topics import topics
+    pages = []
+    for key in sorted(topics):
+        ids = tok.encode(topics[key])
+        if len(ids) >= window:
+            pages.append(ids[:window])
+        if len(pages) == n_pages:
+            break
+    return pages
+
+
+@torch.inference_mode()
+def logits_of(model, ids, kv_dtype=None):
+    """Teacher-forced logits [T, V] of ids [T] in one call. kv_dtype is the hook for a lossy KV (int8 KV comes with
+    the KV store's refactor): today only None, the KV in the model's dtype, exists."""
+    if kv_dtype is not None:
+        raise NotImplementedError(f"kv_dtype={kv_dtype!r}: a KV dtype other than the model's is not implemented yet; "
+                                  "pass kv_dtype=None")
+    return model(torch.tensor([ids]))[0]
+
+
+def teacher_forced(model, ref_logits, pages, kv_dtype=None):
+    """(top-1 agreement with the reference, perplexity) over every next-token position of every page."""
+    agree = total = 0
+    nll = 0.0
+    for ids, ref in zip(pages, ref_logits):
+        logits = logits_of(model, ids, kv_dtype)[:-1]               # [T-1, V]: predictions of ids[1:]
+        agree += (logits.argmax(-1) == ref[:-1].argmax(-1)).sum().item()
+        nll += F.cross_entropy(logits.float(), torch.tensor(ids[1:]), reduction="sum").item()
+        total += len(ids) - 1
+    return agree / total, math.exp(nll / total)
+
+
+def greedy_agreement(model, reference, prompts, new_tokens, chunk_size=64):
+    """The fraction of `model`'s greedy continuation tokens (generated through run_task, offload none) that are
+    also the reference model's top-1 when it reads prompt + continuation (teacher-forced along the continuation).
+    Returns (fraction, tokens counted)."""
+    agree = total = 0
+    for prompt in prompts:
+        new, _ = run_task(model, None, prompt, new_tokens, chunk_size, OffloadConfig())
+        ref = logits_of(reference, prompt + new)                    # [P+N, V]
+        picks = ref[len(prompt) - 1:-1].argmax(-1).tolist()         # the reference's choice at each new position
+        agree += sum(a == b for a, b in zip(picks, new))
+        total += len(new)
+    return agree / total, total
+
+
+def quality_table(ckpt=DEMO, variants=tuple(VARIANTS), n_pages=40, window=256, n_prompts=8, prompt_len=64,
+                  new_tokens=48, kv_dtype=None):
+    """A row per variant: teacher-forced agreement and perplexity, and greedy-continuation agreement, all against
+    the fp32 model of ckpt."""
+    tok = Tokenizer(ckpt)
+    pages = pydoc_pages(tok, n_pages, window)
+    prompts = [p[:prompt_len] for p in pages[:n_prompts]]
+    reference = Transformer.from_pretrained(ckpt, dtype=torch.float32)
+    ref_logits = [logits_of(reference, ids) for ids in pages]
+    _, ref_ppl = teacher_forced(reference, ref_logits, pages)
+    rows = []
+    for name in variants:
+        dtype, quantize = VARIANTS[name]
+        model = Transformer.from_pretrained(ckpt, dtype=dtype, quantize=quantize)
+        top1, ppl = teacher_forced(model, ref_logits, pages, kv_dtype)
+        greedy, n = greedy_agreement(model, reference, prompts, new_tokens)
+        rows.append({"variant": name, "top1_agreement": top1, "perplexity": ppl, "perplexity_change": ppl / ref_ppl - 1,
+                     "greedy_agreement": greedy, "greedy_tokens": n, "positions": len(pages) * (window - 1)})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", default=DEMO, help="checkpoint with a tokenizer (default: the demo model)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
+    p.add_argument("--pages", type=int, default=40, help="pydoc topic pages read teacher-forced (default 40)")
+    p.add_argument("--window", type=int, default=256, help="tokens per page (default 256, the demo's trained context)")
+    p.add_argument("--prompts", type=int, default=8, help="pages whose first 64 tokens prompt a greedy continuation")
+    p.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt (default 48)")
+    a = p.parse_args(argv)
+    names = [v for v in a.variants.split(",") if v]
+    if any(v not in VARIANTS for v in names):
+        p.error(f"--variants {a.variants!r}: each must be one of {list(VARIANTS)}")
+    rows = quality_table(a.ckpt, names, a.pages, a.window, a.prompts, 64, a.new_tokens)
+    print(f"{a.ckpt}, {a.pages} pydoc pages x {a.window} tokens teacher-forced, {a.prompts} prompts x {a.new_tokens} "
+          f"greedy tokens; against the fp32 model\n")
+    print("| weights / activations | top-1 agreement | perplexity | change | greedy continuation agreement |\n"
+          "|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['top1_agreement']:.2%} | {r['perplexity']:.3f} | {r['perplexity_change']:+.2%} | "
+              f"{r['greedy_agreement']:.2%} ({r['greedy_tokens']} tokens) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
