@@ -11,7 +11,7 @@ written to disk: the checkpoint stays the Hugging Face safetensors file.
 
 The matmul, y = (x @ W_int8^T) * scales:
 - CPU, a few rows (decode): aten._weight_int8pack_mm with bf16 activations, ~3x faster than a bf16 matmul
-  because it reads a quarter of the fp32 bytes (fp32 activations make the same kernel ~15x slower: it has a
+  because it reads a quarter of the fp32 bytes (fp32 activations make the same kernel 10-20x slower: it has a
   vectorised bf16 path only, so they are cast to bf16 and back).
 - CPU, many rows (prefill), CUDA, or no kernel: cast the int8 weight to the activation dtype and matmul, then
   scale the output. Exact in the cast (int8 values are exact in bf16/fp16), so it is the reference the kernel is
