@@ -66,8 +66,9 @@ def int8_matmul(x, q, scales, kernel=None):
     if kernel is None:
         kernel = x.device.type == "cpu" and x2.shape[0] <= KERNEL_MAX_ROWS
     if kernel and _KERNEL is not None and K % KERNEL_K_MULTIPLE == 0:
-        # the kernel wants bf16 activations contiguous in K and scales of the activation dtype
-        y = _KERNEL(x2.to(torch.bfloat16).contiguous(), q, scales).to(x.dtype)  # [M, N]
+        # the kernel wants bf16 activations contiguous in K and scales of the activation dtype (model.to(dtype)
+        # may have cast the scales)
+        y = _KERNEL(x2.to(torch.bfloat16).contiguous(), q, scales.to(torch.bfloat16)).to(x.dtype)  # [M, N]
     else:
         y = F.linear(x2, q.to(x.dtype)) * scales.to(x.dtype)    # [M, N]; the cast is exact, the scale is per column
     return y.view(*x.shape[:-1], q.shape[0])                    # [..., N]

@@ -140,6 +140,14 @@ def test_int8_model_is_the_fp32_model_with_dequantized_weights(checkpoint, monke
     assert (full - want).abs().max().item() > 1e-3  # quantization did change the weights: the check above can fail
 
 
+def test_model_to_another_dtype_keeps_int8(llama_ckpt):
+    m = Transformer.from_pretrained(llama_ckpt, quantize="int8").to(torch.float16)  # casts floats, scales too
+    assert m.layers[0].feed_forward.w1.weight.dtype == torch.int8
+    x = torch.randint(0, m.args.vocab_size, (1, 3))
+    with torch.no_grad():
+        assert torch.isfinite(m(x)).all()
+
+
 def test_unknown_quantize_is_refused(llama_ckpt):
     with pytest.raises(ValueError, match="quantize='int4'.*use None"):
         Transformer.from_pretrained(llama_ckpt, quantize="int4")
