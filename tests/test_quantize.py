@@ -219,3 +219,19 @@ def test_offload_bit_identical_with_int8_weights(demo_int8, tmp_path, mode):
     assert runs["none"][0] == runs[mode][0]
     assert torch.equal(runs["none"][1], runs[mode][1])
     assert runs[mode][2]["chunks"]["host" if mode == "cpu" else "disk"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_int8_offloaded_bit_identical_and_agrees_with_fp32(demo_fp32, tmp_path):
+    """On CUDA (the cast-and-matmul path): the cpu tier is bit-identical to none, and the greedy continuation is
+    the CPU fp32 model's top-1 at >= 90% of its tokens."""
+    from quality import greedy_agreement, pydoc_pages
+    from tokenizer import Tokenizer
+    ids = Tokenizer(DEMO).encode("The import statement combines two operations; it searches for the named module")
+    m = Transformer.from_pretrained(DEMO, device="cuda", dtype=torch.bfloat16, quantize="int8")
+    assert m.layers[0].attention.wq.weight.device.type == "cuda"
+    runs = {mode: run_task(m, None, ids, 24, 8, OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path)))[0]
+            for mode in ("none", "cpu")}
+    assert runs["none"] == runs["cpu"]
+    agreement, n = greedy_agreement(m, demo_fp32, [p[:64] for p in pydoc_pages(Tokenizer(DEMO), 4, 256)], 32)
+    assert n >= 64 and agreement >= 0.9

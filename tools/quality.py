@@ -54,7 +54,7 @@ def logits_of(model, ids, kv_dtype=None):
     if kv_dtype is not None:
         raise NotImplementedError(f"kv_dtype={kv_dtype!r}: a KV dtype other than the model's is not implemented yet; "
                                   "pass kv_dtype=None")
-    return model(torch.tensor([ids]))[0]
+    return model(torch.tensor([ids], device=next(model.parameters()).device))[0].cpu()
 
 
 def teacher_forced(model, ref_logits, pages, kv_dtype=None):
