@@ -10,13 +10,13 @@ Int8Linear.load_weight as each weight arrives), so the full-precision model neve
 written to disk: the checkpoint stays the Hugging Face safetensors file.
 
 The matmul, y = (x @ W_int8^T) * scales:
-- CPU, a few rows (decode): aten._weight_int8pack_mm with bf16 activations, ~3x faster than a bf16 matmul
-  because it reads a quarter of the fp32 bytes (fp32 activations make the same kernel 10-20x slower: it has a
-  vectorised bf16 path only, so they are cast to bf16 and back).
+- CPU, a few rows (decode): aten._weight_int8pack_mm with bf16 activations, 2.5-3x faster than a bf16 matmul
+  (measured here: a decode-step GEMV is memory-bound and reads half the bytes). fp32 activations make the same
+  kernel 10-20x slower (its fast path is bf16), so they are cast to bf16 and back.
 - CPU, many rows (prefill), CUDA, or no kernel: cast the int8 weight to the activation dtype and matmul, then
   scale the output. Exact in the cast (int8 values are exact in bf16/fp16), so it is the reference the kernel is
-  tested against. On CUDA this saves memory, not time: torch's CUDA _weight_int8pack_mm is a one-thread-per-output
-  fp32 loop, slower than cuBLAS; a fused kernel would need torch.compile, which this project does not use.
+  tested against. On CUDA this saves memory, not time: torch's CUDA _weight_int8pack_mm is, in its source, a
+  one-thread-per-output fp32 loop (unmeasured here); a fused kernel would need torch.compile, not used here.
 """
 import torch
 import torch.nn as nn
@@ -26,7 +26,8 @@ QUANTIZE = (None, "int8")  # what Transformer.from_pretrained(quantize=...) acce
 
 # Shapes are [M, K] activations, [N, K] int8 weight, [N] scales (M rows, K input features, N output features).
 _KERNEL = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
-# The CPU kernel in torch 2.13 returns garbage (NaN) or crashes unless K is a multiple of 16; measured here.
+# The CPU kernel in torch 2.13 returns wrong values, NaN or a segfault unless K is a multiple of 16 (tried here:
+# K = 1, 2, 4, 8, 17, 24, 33, 40, 60, 65 fail; multiples of 16 from 16 to 4096 pass).
 KERNEL_K_MULTIPLE = 16
 # Rows up to which the kernel beats cast-and-matmul on CPU: it costs ~linearly in M (a GEMV per row), the bf16
 # matmul barely grows. Measured here (1 thread, 576x1536 and 1536x576): M=8 kernel 0.09 ms vs 0.17, M=16 0.18 vs
@@ -37,10 +38,11 @@ KERNEL_MAX_ROWS = 16
 def kernel_status(device="cpu"):
     """One sentence for logs and --help: which int8 matmul runs on `device` with this torch."""
     if torch.device(device).type != "cpu":
-        return "--quantize int8 on CUDA casts int8 weights to the compute dtype per matmul: 1/4 of the weight memory, no speed-up"
+        return ("--quantize int8 on CUDA casts int8 weights to the compute dtype in each matmul: a quarter of the "
+                "fp32 weight memory, no speed-up")
     if _KERNEL is None:
         return (f"torch {torch.__version__} has no aten._weight_int8pack_mm: --quantize int8 falls back to "
-                "cast-and-matmul (1/4 of the weight memory, slower than --dtype bf16; torch >= 2.3 has the kernel)")
+                "cast-and-matmul (a quarter of the fp32 weight memory, but slower than --dtype bf16; a newer torch has it)")
     return "--quantize int8 on CPU: aten._weight_int8pack_mm for decode steps, cast-and-matmul for prefill chunks"
 
 
