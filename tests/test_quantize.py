@@ -75,6 +75,19 @@ def test_kernel_and_fallback_agree(M):
     assert (a.float() - b.float()).abs().max().item() <= 2 ** -7 * b.float().abs().max().item()
 
 
+@needs_kernel
+def test_kernel_runs_for_decode_rows_only(monkeypatch):
+    """The choice of path, which the speed depends on: the kernel for up to KERNEL_MAX_ROWS rows with K a multiple
+    of 16, cast-and-matmul for a prefill chunk and for other K."""
+    import quantize
+    calls = []
+    monkeypatch.setattr(quantize, "_KERNEL", lambda *a: calls.append(a[0].shape) or _KERNEL(*a))
+    q, s = quantize_weight(torch.randn(32, 64))
+    for M, K in ((1, 64), (KERNEL_MAX_ROWS, 64), (KERNEL_MAX_ROWS + 1, 64), (512, 64), (1, 40)):
+        int8_matmul(torch.randn(1, M, K).bfloat16(), q if K == 64 else quantize_weight(torch.randn(32, K))[0], s)
+    assert calls == [(1, 64), (KERNEL_MAX_ROWS, 64)]
+
+
 # -----------------------------------------------------------------------------
 # the loader
 
