@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, checkpoint_files, iter_checkpoint, read_json  # noqa: F401 (re-exported)
+from quantize import Int8Linear, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -255,6 +256,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2] fp32
         self.attention_factor = rope_attention_factor(args)
+        self.quantize = None  # "int8" when from_pretrained quantized the linears (quantize.py)
 
     def forward(self, tokens, cache=None, last_only=False):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and the output
@@ -278,16 +280,19 @@ class Transformer(nn.Module):
         return self.output(self.norm(x)).float()                  # [B, T, V], fp32 for sampling
 
     @classmethod
-    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None):
+    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None, quantize=None):
         """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the weights).
         rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained context, see
-        ModelArgs.with_rope_override."""
+        ModelArgs.with_rope_override. quantize="int8": linear weights are quantized as they arrive (quantize.py),
+        one tensor at a time."""
         args = ModelArgs.from_config(read_json(os.path.join(ckpt_dir, "config.json")), os.path.join(ckpt_dir, "config.json"))
         if rope_override is not None:
             args = args.with_rope_override(*rope_override)
         with torch.device("meta"):
             model = cls(args)
-        params = dict(model.named_parameters(remove_duplicate=False))
+        params = dict(model.named_parameters(remove_duplicate=False))  # what the checkpoint must hold, and shapes
+        quantize_linears(model, quantize)  # Int8Linear (still on meta) in place of nn.Linear; no-op for None
+        model.quantize = quantize          # part of what the KV depends on: belongs in a run's fingerprint
         loaded = set()
         for hf_name, tensor, path in iter_checkpoint(ckpt_dir):
             name = hf_to_ours(hf_name, args)
@@ -299,13 +304,19 @@ class Transformer(nn.Module):
                 raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
                                       f"config.json implies {tuple(params[name].shape)}")
             module_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
+            module = model.get_submodule(module_name)
+            if isinstance(module, Int8Linear) and attr == "weight":
+                module.load_weight(tensor.to(device))  # the full-precision tensor is dropped right after
+            else:
+                setattr(module, attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
+            if args.tie_embeddings and name == "tok_embeddings.weight" and isinstance(model.output, Int8Linear):
+                model.output.load_weight(tensor.to(device))  # tied: the output is an int8 copy of the embedding
             loaded.add(name)
         missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
         if missing:
             raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
                                   f"({len(missing)} missing in all)")
-        if args.tie_embeddings:
+        if args.tie_embeddings and not isinstance(model.output, Int8Linear):
             model.output.weight = model.tok_embeddings.weight  # re-tie: the tie was made on the meta device
         model.inv_freq = rope_inv_freq(args).to(device)
         return model.eval()
