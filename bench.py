@@ -34,19 +34,17 @@ import torch
 
 import probe
 from disk import DiskError
-from cli import DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, read_model_args
+from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, quantize, read_model_args,
+                 rope_override)
 from kvcache import kv_bytes_per_token
 from model import CheckpointError, Transformer
 from monitor import host_memory
+from quantize import weight_bytes  # noqa: F401 (also tune.py's)
 from offload import OffloadConfig, OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from task import run_task
 from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec  # noqa: F401 (re-exported)
 from taskdir import TaskDirError
-
-def weight_bytes(model):
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
 
 # -----------------------------------------------------------------------------
 # the runs: ours, and transformers' on the same checkpoint, prompt and dtype
@@ -314,7 +312,8 @@ def main(argv=None):
         if max(contexts) + args.new_tokens > margs.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype],
+                                            rope_override=rope_override(args), quantize=quantize(args))
         hf = load_hf(args.ckpt, args.device, DTYPES[args.dtype]) if args.vs_hf and not args.probe else None
         machine, cuda, dt = probe.environment(args.device), is_cuda(args.device), DTYPES[args.dtype]
         config = {k: v for k, v in vars(args).items() if k != "sizes"} | {

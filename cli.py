@@ -25,10 +25,11 @@ from model import CheckpointError, ModelArgs, read_json
 from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
 from progress import Progress
+from quantize import kernel_status
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
 from taskdir import TaskDirError, model_fingerprint
-from tokenizer import chat_messages, load_tokenizer
+from tokenizer import load_tokenizer
 from tp import gather_stats
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
@@ -64,7 +65,11 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
                    "of attention, device buffers (used on CUDA, and with --compress zstd) (default %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda "
                    "(default %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default="fp32", help="compute and KV dtype (default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, help="compute and KV dtype (default fp32; bf16 with --quantize int8, "
+                   "the fastest here: the CPU int8 kernel takes bf16 activations)")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: weight-only int8 for every "
+                   "linear layer, quantized while loading (lossy; offload stays bit-identical). "
+                   + kernel_status("cuda" if torch.cuda.is_available() else "cpu"))
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="how the KV cache is held: auto = as "
                    "--dtype; int8 = quantized per token and kv head, about half of bf16's bytes in every tier and "
                    "link (lossy; offload stays bit-identical to --offload none with the same --kv-dtype)")
@@ -86,6 +91,8 @@ def add_common_flags(p, chunk_size, window, ckpt_help="Hugging Face checkpoint d
 
 def check_common(args, needs_disk):
     """The checks behind add_common_flags, in one place. needs_disk: the run will write the disk tier."""
+    if args.dtype is None:  # one rule for every script: what runs fastest with the weights as they are held
+        args.dtype = "bf16" if args.quantize == "int8" else "fp32"
     checks = [
         (args.chunk_size is None or args.chunk_size > 0,
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
@@ -154,11 +161,16 @@ def rope_override(args):
     return (args.rope_scaling, args.rope_factor, args.rope_orig_ctx) if args.rope_scaling else None
 
 
+def quantize(args):
+    """from_pretrained's quantize: None or "int8"."""
+    return None if args.quantize == "none" else args.quantize
+
+
 def run_fingerprint(ckpt, args):
     """Everything that shapes a task's KV besides the tokens: the weights' contents, the RoPE override, the
     quantization and the KV dtype (the dtype, chunk size and device are in the task itself): resume and the KV
     store never mix runs that differ in any of them."""
-    parts = {"rope": rope_override(args), "quantize": getattr(args, "quantize", None), "kv_dtype": args.kv_dtype}
+    parts = {"rope": rope_override(args), "quantize": args.quantize, "kv_dtype": args.kv_dtype}
     return model_fingerprint(ckpt) + "-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -268,16 +280,6 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
     return min(asked or cap - n_prompt, cap - n_prompt)
 
 
-def encode(tokenizer, task, args):
-    """A task's prompt ids: its chat "messages" through the template, its "prompt" through the template with
-    --chat, or its plain "prompt" text."""
-    if "messages" in task:
-        return tokenizer.apply_chat_template(task["messages"])
-    if args.chat:
-        return tokenizer.apply_chat_template(chat_messages(task["prompt"], args.system))
-    return tokenizer.encode(task["prompt"])
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a file-size limit then fails a write (EFBIG), not the process
@@ -295,16 +297,17 @@ def main(argv=None):
         if args.chat:
             tokenizer.chat_template()  # a checkpoint without one is refused before any weight is loaded
         if not args.prompts:  # check the prompt before loading any weight
-            plan_lengths(args, len(encode(tokenizer, {"prompt": text}, args)), model_args)
+            plan_lengths(args, len(tokenizer.prompt_ids({"prompt": text}, args.chat, args.system)), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
         kv_store = open_kv_store(args)
         monitor = Monitor(args.trace if speak else None, log=log)
-        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args))
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize(args))
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
         fingerprint = run_fingerprint(args.ckpt, args)
-        run_config = {"ckpt": args.ckpt, "dtype": args.dtype, "kv_dtype": args.kv_dtype, "chunk_size": args.chunk_size,
+        run_config = {"ckpt": args.ckpt, "dtype": args.dtype, "quantize": args.quantize, "kv_dtype": args.kv_dtype,
+                      "chunk_size": args.chunk_size,
                       "offload": cfg.mode, "window": cfg.window, "compress": cfg.compress, "max_context":
                       model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
                       "rope_override": bool(args.rope_scaling), "tp": layout.tp, "replicas": layout.n_replicas}
@@ -314,7 +317,7 @@ def main(argv=None):
         return 2
 
     def run_one(task, cfg, context=None, on_token=None, progress=None):
-        ids = encode(tokenizer, task, args)
+        ids = tokenizer.prompt_ids(task, args.chat, args.system)
         ids = ids[-context:] if context else ids
         max_new = plan_lengths(args, len(ids), model_args, task.get("max_new_tokens"),
                                warn=lambda m: log(f"task {task['id']}: {m}" if args.prompts else m))

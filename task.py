@@ -13,6 +13,7 @@ from generate import Sampling, generate
 from kvcache import make_cache
 from monitor import host_memory, process_io
 from offload import on_cuda
+from quantize import weight_bytes
 from taskdir import TaskDir
 from tp import Layout, agree_min, broadcast_token
 
@@ -141,7 +142,7 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed,
                    share=None if layout is None or layout.tp == 1 else lambda token: broadcast_token(token, layout))
     snap, io_end = cache.store.snapshot(), process_io()
-    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    weights = weight_bytes(model)
     return new, {
         "prefill_s": round(clock["prefill_s"], 4),
         "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),

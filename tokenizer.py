@@ -61,6 +61,15 @@ class Tokenizer:
             return self.tok.encode(text).ids
         return ([self.bos_id] if self.add_bos else []) + self.tok.EncodeAsIds(text)
 
+    def prompt_ids(self, task, chat=False, system=None):
+        """A task's prompt ids: its chat "messages" through the template, its "prompt" through the template with
+        chat (and a system message), or its plain "prompt" text."""
+        if "messages" in task:
+            return self.apply_chat_template(task["messages"])
+        if chat:
+            return self.apply_chat_template(chat_messages(task["prompt"], system))
+        return self.encode(task["prompt"])
+
     def decode(self, ids):
         if self.kind == "json":
             return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -32,7 +32,7 @@ import torch
 
 import bench
 import probe
-from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args, remove_if_empty
+from cli import DTYPES, UsageError, add_common_flags, check_common, quantize, read_model_args, remove_if_empty
 from disk import ALIGN, DiskError, round_up
 from kvcache import kv_bytes_per_token
 from model import CheckpointError, Transformer
@@ -363,7 +363,7 @@ def main(argv=None):
         if args.context + args.new_tokens > margs.max_context:
             raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt)
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, quantize=quantize(args))
         free = 0.9 * torch.cuda.mem_get_info(args.device)[0] if probe.is_cuda(args.device) else mem_available() / 2
         args.device_budget = args.device_budget or free / 2**30  # defaults: see the flags' help
         args.cpu_budget = mem_available() / 2 / 2**30 if args.cpu_budget is None else args.cpu_budget

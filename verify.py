@@ -22,7 +22,7 @@ import torch
 
 import launch
 from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, open_kv_store,
-                 read_model_args, rope_override, run_fingerprint)
+                 quantize, read_model_args, rope_override, run_fingerprint)
 from model import CheckpointError
 from offload import OffloadConfig, OffloadError
 from task import run_task
@@ -109,7 +109,7 @@ def main(argv=None):
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device window "
                              f"({args.window} chunks of {args.chunk_size} plus the open one): nothing would be "
                              "offloaded, so nothing would be verified; lower --chunk-size or --window")
-        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args))
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize(args))
         run = lambda mode, compress, **kw: run_mode(model, ids, args.max_new_tokens, args.chunk_size, mode,  # noqa
                                                     compress, args, layout=layout, **kw)
         runs = {"none": run("none", "none")}

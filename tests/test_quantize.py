@@ -227,7 +227,8 @@ def test_offload_bit_identical_with_int8_weights(demo_int8, tmp_path, mode):
     for m in ("none", mode):
         logits = []
         cfg = OffloadConfig(mode=m, window=1, offload_dir=str(tmp_path))
-        new, st = run_task(demo_int8, None, ids, 24, 8, cfg, on_step=lambda phase, lg, cache: logits.append(lg.clone()))
+        new, st = run_task(demo_int8, ids, 24, chunk_size=8, cfg=cfg,
+                           on_step=lambda phase, lg, cache: logits.append(lg.clone()))
         runs[m] = (new, torch.stack(logits), st)
     assert runs["none"][0] == runs[mode][0]
     assert torch.equal(runs["none"][1], runs[mode][1])
@@ -243,7 +244,7 @@ def test_cuda_int8_offloaded_bit_identical_and_agrees_with_fp32(demo_fp32, tmp_p
     ids = Tokenizer(DEMO).encode("The import statement combines two operations; it searches for the named module")
     m = Transformer.from_pretrained(DEMO, device="cuda", dtype=torch.bfloat16, quantize="int8")
     assert m.layers[0].attention.wq.weight.device.type == "cuda"
-    runs = {mode: run_task(m, None, ids, 24, 8, OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path)))[0]
+    runs = {mode: run_task(m, ids, 24, chunk_size=8, cfg=OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path)))[0]
             for mode in ("none", "cpu")}
     assert runs["none"] == runs["cpu"]
     agreement, n = greedy_agreement(m, demo_fp32, [p[:64] for p in pydoc_pages(Tokenizer(DEMO), 4, 256)], 32)

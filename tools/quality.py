@@ -19,6 +19,7 @@ import math
 import os
 import sys
 
+import pydoc_data.topics
 import torch
 import torch.nn.functional as F
 
