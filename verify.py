@@ -168,9 +168,10 @@ def main(argv=None):
                   f"{b['disk_read'] + b['disk_mapped_read']:>14} {r['decode_tokens_per_s']:>13.1f} "
                   f"{r['reused_tokens']:>7}")
         print(f"unchunked  greedy ids {'equal' if ref_ok else 'DIFFERENT'} (top-1 agreement {agree:.1%}), max |logit "
-              f"diff| {ref_diff:.3g} " + ("(int8 KV against the unquantized model: close, not equal)" if
-                                        args.kv_dtype == "int8" else
-                                        "(a different kernel schedule: close, not bit-identical)"))
+              f"diff| {ref_diff:.3g} " + ("(int8 KV against an unquantized cache: close, not equal)" if
+                                        args.kv_dtype == "int8" else "(a different kernel schedule: close, not "
+                                        "bit-identical" + ("; in fp32 only it must agree)" if args.dtype != "fp32"
+                                                           else ")")))
         for m, r in report.items():
             if r["first_difference"]:
                 step, pos, phase, what = r["first_difference"]
