@@ -295,14 +295,9 @@ class Transformer(nn.Module):
         model.quantize = quantize          # part of what the KV depends on: belongs in a run's fingerprint
         loaded = set()
         for hf_name, tensor, path in iter_checkpoint(ckpt_dir):
-            name = hf_to_ours(hf_name, args)
+            name = expected(hf_name, tuple(tensor.shape), params, args, path)
             if name is None:
                 continue
-            if name not in params:
-                raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a {args.arch} model with this config)")
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
-                                      f"config.json implies {tuple(params[name].shape)}")
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             if isinstance(module, Int8Linear) and attr == "weight":
@@ -312,10 +307,7 @@ class Transformer(nn.Module):
             if args.tie_embeddings and name == "tok_embeddings.weight" and isinstance(model.output, Int8Linear):
                 model.output.load_weight(tensor.to(device))  # tied: the output is an int8 copy of the embedding
             loaded.add(name)
-        missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
-        if missing:
-            raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
-                                  f"({len(missing)} missing in all)")
+        check_complete(params, loaded, args, ckpt_dir)
         if args.tie_embeddings and not isinstance(model.output, Int8Linear):
             model.output.weight = model.tok_embeddings.weight  # re-tie: the tie was made on the meta device
         model.inv_freq = rope_inv_freq(args).to(device)
@@ -350,6 +342,26 @@ def _translate(name, table):
     idx = re.search(r"\.(\d+)\.", module)
     key = module.replace(idx.group(0), ".{}.", 1) if idx else module
     return table[key].format(idx.group(1) if idx else "") + "." + kind if key in table else None
+
+
+def expected(hf_name, shape, params, args, path):
+    """Our name for a checkpoint tensor, checked against the model the config builds (None: a tensor we skip)."""
+    name = hf_to_ours(hf_name, args)
+    if name is None:
+        return None
+    if name not in params:
+        raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a {args.arch} model with this config)")
+    if shape != tuple(params[name].shape):
+        raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {shape}, config.json implies "
+                              f"{tuple(params[name].shape)}")
+    return name
+
+
+def check_complete(params, loaded, args, ckpt_dir):
+    missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
+                              f"({len(missing)} missing in all)")
 
 
 def hf_to_ours(hf_name, args):

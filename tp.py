@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from model import (CheckpointError, ModelArgs, Transformer, checkpoint_files, hf_to_ours, ours_to_hf, read_json,
+from model import (CheckpointError, ModelArgs, Transformer, check_complete, checkpoint_files, expected, read_json,
                    rope_inv_freq)
 
 VOCAB_MODES = ("shard", "replicate")
@@ -309,15 +309,10 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded, model.loaded_bytes = set(), 0
     for hf_name, sl, path in _slices(ckpt_dir):
-        name = hf_to_ours(hf_name, args)
+        full = tuple(sl.get_shape())
+        name = expected(hf_name, full, params, args, path)
         if name is None:
             continue
-        if name not in params:
-            raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a {args.arch} model with this config)")
-        full = tuple(sl.get_shape())
-        if full != tuple(params[name].shape):
-            raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {full}, config.json implies "
-                                  f"{tuple(params[name].shape)}")
         plan = _plan(name, args, s, layout)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -328,10 +323,7 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
         t, n = _read(sl, plan, full)
         model.loaded_bytes += n
         setattr(module, attr, nn.Parameter(t.to(device, dtype), requires_grad=False))
-    missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
-                              f"({len(missing)} missing in all)")
+    check_complete(params, loaded, args, ckpt_dir)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same rows, sharded the same way
     _wire(model, s, layout)
