@@ -21,7 +21,7 @@ from model import CheckpointError, ModelArgs, Transformer, read_json
 from monitor import Monitor
 from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
 from task import run_task
-from taskdir import TaskDirError, model_fingerprint
+from taskdir import TaskDirError, model_fingerprint, run_fingerprint
 from tokenizer import load_tokenizer
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyllama-pydoc")
@@ -239,7 +239,9 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
         monitor = Monitor(args.trace)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype])
-        fingerprint = model_fingerprint(args.ckpt)
+        # what the disk tier's manifest must match to be resumed from: the weights' bytes and every setting that
+        # changes the KV they make (only the disk tier resumes, so only it pays for hashing the weights)
+        fingerprint = run_fingerprint(model_fingerprint(args.ckpt), dtype=args.dtype) if cfg.mode == "disk" else None
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         print(f"generate.py: error: {e}", file=sys.stderr)
         return 2

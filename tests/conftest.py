@@ -15,6 +15,19 @@ torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"  # and the same for the scripts the tests start
 
 
+@pytest.fixture(scope="session", autouse=True)
+def digest_cache(tmp_path_factory):
+    """The weights' digest cache (taskdir.DigestCache) goes to a directory of the session's, never ~/.cache; the
+    scripts the tests start inherit it."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield os.environ["XDG_CACHE_HOME"]
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     """checkpoint(**build_checkpoint kwargs) -> path, built once per session and shared: never modify it
