@@ -129,7 +129,7 @@ from offload import OffloadConfig
 from model import Transformer
 m = Transformer.from_pretrained({ckpt!r})
 peaks = []
-for n in (1000, 4000):  # run_task's peak is its own: the max of RssAnon sampled at each step
+for n in (1000, 6000):  # run_task's peak is its own: the max of RssAnon sampled at each step
     ids = torch.randint(3, m.args.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     _, st = run_task(m, ids, 2, chunk_size=512, cfg=OffloadConfig(mode={mode!r}, window=1, offload_dir={tmp!r}))
     peaks.append(st["peak_host_anon_bytes"])
@@ -138,10 +138,11 @@ print(json.dumps(peaks))
 
 
 def test_disk_tier_anon_memory_does_not_grow_with_context(checkpoint, tmp_path):
-    """RssAnon (what the process holds) for a 4K prompt vs a 1K prompt: grows by the KV bytes with --offload none,
-    by far less with --offload disk, whose chunks live in the page cache (RssFile)."""
+    """RssAnon (what the process holds) for a 6K prompt vs a 1K prompt: grows by the KV bytes with --offload none,
+    by far less with --offload disk, whose chunks live in the page cache (RssFile). (Without generate.trim_heap the
+    freed activations that glibc keeps made the disk tier's growth wander between 5% and 40% of the KV.)"""
     ckpt = checkpoint(num_attention_heads=8, num_key_value_heads=8, head_dim=128)  # 16 KiB of fp32 KV per token
-    kv_extra = 3000 * 2 * 2 * 8 * 128 * 4
+    kv_extra = 5000 * 2 * 2 * 8 * 128 * 4
 
     def growth(mode):
         out = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=ROOT, ckpt=ckpt, mode=mode,
@@ -152,7 +153,7 @@ def test_disk_tier_anon_memory_does_not_grow_with_context(checkpoint, tmp_path):
 
     grow_none, grow_disk = growth("none"), growth("disk")
     assert grow_none > 0.8 * kv_extra, (grow_none, kv_extra)
-    assert grow_disk < 0.2 * kv_extra, (grow_disk, kv_extra)
+    assert grow_disk < 0.1 * kv_extra, (grow_disk, kv_extra)
 
 
 # -----------------------------------------------------------------------------
