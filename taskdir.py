@@ -71,6 +71,11 @@ def file_sha256(path, block=8 << 20):
     return h.hexdigest()
 
 
+def stat_key(path):
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]  # any write changes one of these
+
+
 class DigestCache:
     """File digests kept in $XDG_CACHE_HOME/kvoffload/digests.json (else ~/.cache/...), owner-only. A cache that
     cannot be read or written is no error: the file is simply hashed again next time."""
@@ -88,15 +93,14 @@ class DigestCache:
             pass
 
     def digest(self, path):
-        st = os.stat(path)
-        real = os.path.realpath(path)
-        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]  # any write changes one of these
+        real, key = os.path.realpath(path), stat_key(path)
         hit = self.entries.get(real)
-        if isinstance(hit, dict) and hit.get("key") == key:
+        if isinstance(hit, dict) and hit.get("key") == key and isinstance(hit.get("sha256"), str):
             return hit["sha256"]
-        self.entries[real] = {"key": key, "sha256": file_sha256(path)}
-        self.changed = True
-        return self.entries[real]["sha256"]
+        digest = file_sha256(path)
+        if stat_key(path) == key:  # not rewritten while we read it: the digest belongs to that key
+            self.entries[real], self.changed = {"key": key, "sha256": digest}, True
+        return digest
 
     def save(self):
         """Atomically (a temporary file renamed over the old one); any failure leaves the run alone."""
