@@ -8,11 +8,11 @@ same checkpoint, beside a prediction made from this machine's own measured costs
     bash scripts/gpu_check.sh OUT_DIR                     # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
 Runs are interleaved (for each repeat: for each context: for each mode, the order reversed on odd repeats), the
-calibration redone in each repeat, so that the drift of a shared machine hits every mode alike; in one process after
-a warm-up, or with --fresh-process each run (ours or transformers') cold, in a process that loads only its model.
-Each number is the median of --repeats runs, the spread (min-max) beside it. Decode tok/s is 1 / the median step of a
-run: a step slowed by a preemption (or by a chunk seal, 1 step in C) does not move it; run_task's mean is kept as
-decode_tokens_per_s_mean. The prompt is random token ids with a fixed seed, so EOS never ends a run early.
+calibration redone in each repeat, so that a shared machine's drift hits every mode alike; in one process after a
+warm-up, or with --fresh-process each run (ours or transformers') cold, in a process that loads only its model.
+Numbers are medians of --repeats runs, the spread (min-max) beside them. Decode tok/s is 1 / the median step of a run
+(a preemption or a chunk seal, 1 step in C, does not move it; run_task's mean is decode_tokens_per_s_mean). The
+prompt is random token ids with a fixed seed, so EOS never ends a run early.
 
 JSON: {"machine", "config", "calibration", "results": [a row per context and mode: medians of prefill_tokens_per_s,
 decode_tokens_per_s, ttft_s, peak_device_bytes, peak_host_rss_bytes, peak_host_anon_bytes, bytes, chunks; and
@@ -170,8 +170,7 @@ def make_prompts(vocab_size, contexts):
 
 
 def run_fresh(args, mode, ctx, new):
-    """One run in a new process (bench.py --child-run, which loads only the model it runs and runs once, no warm-up):
-    (ids, stats), read back as JSON."""
+    """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs once, no warm-up)."""
     keep = ("ckpt", "device", "dtype", "chunk_size", "window", "offload_dir", "contexts", "threads")
     flags = [x for k in keep if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", getattr(args, k))]
     p = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, flags), "--child-run", f"{mode}:{ctx}:{new}"],
@@ -181,13 +180,12 @@ def run_fresh(args, mode, ctx, new):
     return json.loads(p.stdout.splitlines()[-1])
 
 
-def child_run(args, contexts):
+def child_run(args, contexts, vocab_size, dt):
     mode, ctx, new = args.child_run.split(":")
-    ids, dt = make_prompts(read_model_args(args.ckpt).vocab_size, contexts)[int(ctx)], DTYPES[args.dtype]
+    ids, new, at = make_prompts(vocab_size, contexts)[int(ctx)], int(new), {"device": args.device, "dtype": dt}
     if mode.startswith("hf"):
-        return run_hf(load_hf(args.ckpt, args.device, dt), ids, int(new), args.device, mode == "hf-offloaded")
-    return run_ours(Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt), ids, args, mode,
-                    f"fresh_{os.getpid()}", int(new))
+        return run_hf(load_hf(args.ckpt, **at), ids, new, args.device, mode == "hf-offloaded")
+    return run_ours(Transformer.from_pretrained(args.ckpt, **at), ids, args, mode, f"fresh_{os.getpid()}", new)
 
 
 def run_matrix(model, hf, args, contexts, modes):
@@ -205,8 +203,8 @@ def run_matrix(model, hf, args, contexts, modes):
         if mode.startswith("hf"):
             return run_hf(hf, ids, new, args.device, mode == "hf-offloaded")
         return run_ours(model, ids, args, mode, tag, new)
-    for mode in [] if args.fresh_process else all_modes:  # warm-up, not recorded: first calls pay for thread
-        # pools, allocators, lazy imports (a --fresh-process run pays them, on both sides: it measures a cold start)
+    for mode in [] if args.fresh_process else all_modes:  # warm-up, not recorded: thread pools, allocators, lazy
+        # imports (with --fresh-process every run pays for them, on both sides: it measures a cold start)
         run(mode, prompts[min(contexts)][:args.chunk_size * (args.window + 2)], f"warmup_{mode}", 3)
     for rep in range(args.repeats):
         cals.append(calibrate(model, args, contexts, modes))
@@ -363,10 +361,10 @@ def main(argv=None):
         if max(contexts) + args.new_tokens > margs.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
-        if args.child_run:
-            print(json.dumps(child_run(args, contexts)))
-            return 0
         dt = DTYPES[args.dtype]
+        if args.child_run:
+            print(json.dumps(child_run(args, contexts, margs.vocab_size, dt)))
+            return 0
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt)
         hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not (args.probe or args.fresh_process) else None
         machine, cuda = probe.environment(args.device), is_cuda(args.device)
