@@ -8,11 +8,12 @@ same checkpoint, beside a prediction made from this machine's own measured costs
     python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question about a document: cold vs warm TTFT
     bash scripts/gpu_check.sh OUT_DIR                     # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
-All runs happen in one process, interleaved (for each repeat: for each context: for each mode, the order reversed
-on odd repeats), with the calibration redone in each repeat, so that the drift of a shared machine hits every mode
-alike. Each number is the median of --repeats runs, the spread (min-max) beside it. Decode tok/s is 1 / the median
-step of a run: a step slowed by a preemption (or by a chunk seal, 1 step in C) does not move it; run_task's mean is
-kept as decode_tokens_per_s_mean. The prompt is random token ids with a fixed seed, so EOS never ends a run early.
+Runs are interleaved (for each repeat: for each context: for each mode, the order reversed on odd repeats), the
+calibration redone in each repeat, so that a shared machine's drift hits every mode alike; in one process after a
+warm-up, or with --fresh-process each run (ours or transformers') cold, in a process that loads only its model.
+Numbers are medians of --repeats runs, the spread (min-max) beside them. Decode tok/s is 1 / the median step of a run
+(a preemption or a chunk seal, 1 step in C, does not move it; run_task's mean is decode_tokens_per_s_mean). The
+prompt is random token ids with a fixed seed, so EOS never ends a run early.
 
 JSON: {"machine", "config", "calibration", "results": [a row per context and mode: medians of prefill_tokens_per_s,
 decode_tokens_per_s, ttft_s, peak_device_bytes, peak_host_rss_bytes, peak_host_anon_bytes, bytes, chunks; and
@@ -25,6 +26,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -105,20 +107,47 @@ def run_hf(hf, ids, new_tokens, device, offloaded=False):
                  "peak_host_rss_bytes": peak["rss"], "peak_host_anon_bytes": peak["anon"]}
 
 
+def make_prompts(vocab_size, contexts):
+    g = torch.Generator().manual_seed(0)
+    return {ctx: torch.randint(3, vocab_size, (ctx,), generator=g).tolist() for ctx in contexts}
+
+
+def run_fresh(args, mode, ctx, new):
+    """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs once, no warm-up)."""
+    keep = ("ckpt", "device", "dtype", "chunk_size", "window", "offload_dir", "contexts", "threads")
+    flags = [x for k in keep if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", getattr(args, k))]
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, flags), "--child-run", f"{mode}:{ctx}:{new}"],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise UsageError(f"--fresh-process: the {mode} run at {ctx} tokens failed: {p.stderr.strip()[-300:]}")
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def child_run(args, contexts, vocab_size, dt):
+    mode, ctx, new = args.child_run.split(":")
+    ids, new, at = make_prompts(vocab_size, contexts)[int(ctx)], int(new), {"device": args.device, "dtype": dt}
+    if mode.startswith("hf"):
+        return run_hf(load_hf(args.ckpt, **at), ids, new, args.device, mode == "hf-offloaded")
+    return run_ours(Transformer.from_pretrained(args.ckpt, **at), ids, args, mode, f"fresh_{os.getpid()}", new)
+
+
 def run_matrix(model, hf, args, contexts, modes):
     """{(context, mode): [stats of each repeat]}, interleaved; transformers runs as modes 'hf' (and on CUDA
     'hf-offloaded'), and the calibration once per repeat, so that they drift with ours."""
-    runs, ids_out, cals, g = {}, {}, [], torch.Generator().manual_seed(0)
-    prompts = {ctx: torch.randint(3, model.args.vocab_size, (ctx,), generator=g).tolist() for ctx in contexts}
-    all_modes = modes + ([] if hf is None else ["hf"] + (["hf-offloaded"] if is_cuda(args.device) else []))
+    runs, ids_out, cals = {}, {}, []
+    prompts = make_prompts(model.args.vocab_size, contexts)
+    all_modes = modes + (["hf"] + (["hf-offloaded"] if is_cuda(args.device) else []) if args.vs_hf else [])
     # on CUDA both models sit on the device: a run's peak leaves out the other library's weights
     other = {"hf": weight_bytes(model), "ours": weight_bytes(hf)} if hf and is_cuda(args.device) else {"hf": 0, "ours": 0}
 
     def run(mode, ids, tag, new=args.new_tokens):
+        if args.fresh_process:
+            return run_fresh(args, mode, len(ids), new)
         if mode.startswith("hf"):
             return run_hf(hf, ids, new, args.device, mode == "hf-offloaded")
         return run_ours(model, ids, args, mode, tag, new)
-    for mode in all_modes:  # warm-up, not recorded: first calls pay for thread pools, allocators, lazy imports
+    for mode in [] if args.fresh_process else all_modes:  # warm-up, not recorded: thread pools, allocators, lazy
+        # imports (with --fresh-process every run pays for them, on both sides: it measures a cold start)
         run(mode, prompts[min(contexts)][:args.chunk_size * (args.window + 2)], f"warmup_{mode}", 3)
     for rep in range(args.repeats):
         cals.append(calibrate(model, args, contexts, modes))
@@ -209,14 +238,14 @@ def markdown(rows, hf_rows):
     if hf_rows:
         ours = {(r["context"], r["mode"]): r for r in rows}
         lines += ["", "| context | transformers cache | prefill tok/s (min-max) | decode tok/s (min-max) | ours none / "
-                  "theirs: prefill | decode | peak device MiB | same greedy ids |", "|---" * 8 + "|"]
+                  "theirs: prefill | decode | peak device MiB | host anon MiB | same greedy ids |", "|---" * 9 + "|"]
         for r in hf_rows:
             o = ours.get((r["context"], "none"))
             ratio = lambda k: opt(o and o[k] / r[k], ".2f")  # noqa: E731
             lines.append(f"| {r['context']} | {'DynamicCache' if r['mode'] == 'hf' else 'DynamicCache(offloading=True)'} "
                          f"| {sp(r, 'prefill_tokens_per_s')} | {sp(r, 'decode_tokens_per_s')} | "
                          f"{ratio('prefill_tokens_per_s')} | {ratio('decode_tokens_per_s')} | "
-                         f"{mib(r['peak_device_bytes'])} | {r['greedy_ids_equal_ours']} |")
+                         f"{mib(r['peak_device_bytes'])} | {mib(r['peak_host_anon_bytes'])} | {r['greedy_ids_equal_ours']} |")
     return "\n".join(lines)
 
 
@@ -241,6 +270,9 @@ def build_parser():
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per run (default 32)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each context and mode, medians reported (default 3)")
     p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
+    p.add_argument("--fresh-process", action="store_true", help="run each context and mode, ours and transformers', "
+                   "once in a process of its own, cold (default: all in this process, after a warm-up)")
+    p.add_argument("--child-run", help=argparse.SUPPRESS)  # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
     p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
     p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
     p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit (decode at "
@@ -312,10 +344,14 @@ def main(argv=None):
         if max(contexts) + args.new_tokens > margs.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=DTYPES[args.dtype],
-                                            rope_override=rope_override(args), quantize=quantize(args))
-        hf = load_hf(args.ckpt, args.device, DTYPES[args.dtype]) if args.vs_hf and not args.probe else None
-        machine, cuda, dt = probe.environment(args.device), is_cuda(args.device), DTYPES[args.dtype]
+        dt = DTYPES[args.dtype]
+        if args.child_run:
+            print(json.dumps(child_run(args, contexts, margs.vocab_size, dt)))
+            return 0
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, rope_override=rope_override(args),
+                                            quantize=quantize(args))
+        hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not (args.probe or args.fresh_process) else None
+        machine, cuda = probe.environment(args.device), is_cuda(args.device)
         config = {k: v for k, v in vars(args).items() if k != "sizes"} | {
             "contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_bytes_per_token(margs, dt, args.kv_dtype),
             "model": dict(zip(SIZE_KEYS, (margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.head_dim,

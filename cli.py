@@ -8,7 +8,6 @@ Without --ckpt it runs a short demo on the small model shipped in assets/ (disk 
 context). Every check happens before any weight is loaded; a bad flag is one line on stderr and exit code 2.
 """
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -28,6 +27,7 @@ from progress import Progress
 from quantize import kernel_status
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
+import taskdir
 from taskdir import TaskDirError, model_fingerprint
 from tokenizer import load_tokenizer
 from tp import gather_stats
@@ -170,8 +170,8 @@ def run_fingerprint(ckpt, args):
     """Everything that shapes a task's KV besides the tokens: the weights' contents, the RoPE override, the
     quantization and the KV dtype (the dtype, chunk size and device are in the task itself): resume and the KV
     store never mix runs that differ in any of them."""
-    parts = {"rope": rope_override(args), "quantize": args.quantize, "kv_dtype": args.kv_dtype}
-    return model_fingerprint(ckpt) + "-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype, rope=rope_override(args),
+                                   quantize=quantize(args), kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -305,7 +305,9 @@ def main(argv=None):
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize(args))
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
-        fingerprint = run_fingerprint(args.ckpt, args)
+        # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting that changes
+        # the KV they make (only the disk tier and the KV store reuse KV, so only they pay for hashing the weights)
+        fingerprint = run_fingerprint(args.ckpt, args) if cfg.mode == "disk" or args.kv_store else None
         run_config = {"ckpt": args.ckpt, "dtype": args.dtype, "quantize": args.quantize, "kv_dtype": args.kv_dtype,
                       "chunk_size": args.chunk_size,
                       "offload": cfg.mode, "window": cfg.window, "compress": cfg.compress, "max_context":

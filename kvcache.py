@@ -139,15 +139,23 @@ def merge(state, o, lse):
 
 
 def merge_group(parts):
-    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T, 1]), ...] of one query block merged at once, exactly: five
-    kernels for the group instead of six per chunk, which is most of what a chunk visit costs in a decode step."""
+    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T, 1]), ...] of one query block merged at once, exactly. The
+    weights come from one softmax over the group's log-sum-exps; the weighted sum is one stacked multiply and sum
+    for a few query rows (a decode step: few kernels is what counts), and n in-place multiply-adds for many rows (a
+    prefill chunk: no stacked copy). Never a matmul with n as its inner dimension: thousands of tiny GEMMs, ~10x
+    slower. The branch depends on shapes only, so placement still cannot change a bit."""
     if len(parts) == 1:
         return parts[0]
     lse = torch.cat([l for _, l in parts], dim=-1)                 # [B, G, R*T, n]
     total = torch.logsumexp(lse, dim=-1, keepdim=True)             # [B, G, R*T, 1]
-    w = torch.exp(lse - total).unsqueeze(-1)                       # [B, G, R*T, n, 1]
-    o = torch.stack([o for o, _ in parts], dim=-1)                 # [B, G, R*T, D, n]
-    return torch.matmul(o, w).squeeze(-1), total                   # [B, G, R*T, D]
+    w = torch.exp(lse - total)                                     # [B, G, R*T, n]
+    if lse.shape[2] <= 64:
+        o = torch.stack([o for o, _ in parts])                     # [n, B, G, R*T, D]
+        return (o * w.movedim(-1, 0).unsqueeze(-1)).sum(0), total  # [B, G, R*T, D]
+    o = parts[0][0].mul_(w[..., :1])                               # in place: the partials are ours
+    for i in range(1, len(parts)):
+        o.add_(parts[i][0].mul_(w[..., i:i + 1]))
+    return o, total
 
 
 # -----------------------------------------------------------------------------

@@ -24,7 +24,8 @@ def resume_point(manifest, task, chunk_size):
         return 0, [], None
     for key, value in task.items():
         if manifest.get(key) != value:
-            return 0, [], f"manifest was written for another {key}"
+            why = " (other weights, or a setting that changes the KV)" if key == "fingerprint" else ""
+            return 0, [], f"manifest was written for another {key}{why}"
     tokens = manifest.get("tokens", [])
     P = len(task["prompt_ids"])
     if tokens[:P] != task["prompt_ids"]:

@@ -3,8 +3,9 @@ A task's directory on disk: a safe name, a lock, and a manifest that makes the d
 
     offload_dir/task_<id>/
         lock            flock'ed by the process using the directory; holds its pid
-        manifest.json   model fingerprint, dtype, chunk size, task parameters, token ids so far, and for every
-                        chunk on disk its checksum (and, compressed, where its blob lives); replaced atomically
+        manifest.json   run fingerprint (the weights' bytes and the settings that shape the KV), dtype, chunk size,
+                        task parameters, token ids so far, and for every chunk on disk its checksum (and, compressed,
+                        where its blob lives); replaced atomically
         layer{l}.kv     the disk tier (disk.DiskTier), raw or layer{l}.zst compressed; rank{r}/ under torchrun
 
 A killed run leaves chunks and a manifest behind; the next run of the same task checks the manifest against
@@ -38,17 +39,86 @@ def safe_task_name(task_id):
 
 
 def model_fingerprint(ckpt_dir):
-    """A hash of config.json and of every safetensors file's header and size: cheap, and changes with the weights'
-    names, shapes, dtypes or file sizes. (Not a hash of every weight byte: that would cost a full read per run.)"""
+    """A hash of config.json and of every byte of every safetensors file: a fine-tune with the same shapes (or a
+    file rewritten in place) gets another fingerprint, so a rerun never resumes from KV that other weights made.
+    Reading every byte costs ~0.2 s per 100 MB, so each file's digest is cached by (path, size, mtime, ctime,
+    inode): only the first run after a change pays."""
     h = hashlib.sha256()
     with open(os.path.join(ckpt_dir, "config.json"), "rb") as f:
         h.update(f.read())
+    cache = DigestCache()
     for path in checkpoint_files(ckpt_dir):
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            h.update(f.read(min(n, 1 << 24)))
-        h.update(str(os.path.getsize(path)).encode())
+        h.update(cache.digest(path).encode())
+    cache.save()
     return h.hexdigest()[:32]
+
+
+def run_fingerprint(model_fp, **parts):
+    """The model's fingerprint chained with everything else that changes the KV it makes (dtype, quantization, a
+    RoPE override, a parallel layout, ...). Parts set to None are left out, so adding an option keeps the
+    fingerprints of runs that do not use it."""
+    given = {k: v for k, v in sorted(parts.items()) if v is not None}
+    return hashlib.sha256(json.dumps([model_fp, given], default=str).encode()).hexdigest()[:32]
+
+
+def file_sha256(path, block=8 << 20):
+    """SHA-256 of a file's bytes, read in large blocks into one reused buffer."""
+    h, buf = hashlib.sha256(), bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def stat_key(path):
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]  # any write changes one of these
+
+
+class DigestCache:
+    """File digests kept in $XDG_CACHE_HOME/kvoffload/digests.json (else ~/.cache/...), owner-only. A cache that
+    cannot be read or written is no error: the file is simply hashed again next time."""
+
+    def __init__(self):
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        self.path = os.path.join(root, "kvoffload", "digests.json")
+        self.entries, self.changed = {}, False
+        try:
+            with open(self.path) as f:
+                if os.fstat(f.fileno()).st_uid == os.getuid():  # a digest planted by someone else is not trusted
+                    entries = json.load(f)
+                    self.entries = entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            pass
+
+    def digest(self, path):
+        real, key = os.path.realpath(path), stat_key(path)
+        hit = self.entries.get(real)
+        if isinstance(hit, dict) and hit.get("key") == key and isinstance(hit.get("sha256"), str):
+            return hit["sha256"]
+        digest = file_sha256(path)
+        if stat_key(path) == key:  # not rewritten while we read it: the digest belongs to that key
+            self.entries[real], self.changed = {"key": key, "sha256": digest}, True
+        return digest
+
+    def save(self):
+        """Atomically (a temporary file renamed over the old one); any failure leaves the run alone."""
+        if not self.changed:
+            return
+        self.entries = {p: e for p, e in self.entries.items() if os.path.exists(p)}  # forget deleted checkpoints
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
 
 
 class TaskDir:

@@ -1,4 +1,6 @@
+import faulthandler
 import os
+import signal
 import sys
 
 import pytest
@@ -13,6 +15,43 @@ from ckpt import build_checkpoint  # noqa: E402
 # (torch's OpenMP threads can stall for milliseconds per op when another process holds a core).
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"  # and the same for the scripts the tests start
+
+
+TEST_TIMEOUT_S = 300  # per test; the slowest one takes about a tenth of that on two busy cores
+
+
+class TimeLimitExceeded(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def per_test_timeout(request):
+    """A hang fails its test instead of stalling the suite (pytest-timeout is not a dependency): SIGALRM raises in
+    the main thread; if that cannot get through (stuck in C), faulthandler dumps every thread's stack and exits."""
+    def expire(signum, frame):
+        raise TimeLimitExceeded(f"{request.node.nodeid} ran over {TEST_TIMEOUT_S} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_TIMEOUT_S)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S + 60, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def digest_cache(tmp_path_factory):
+    """The weights' digest cache (taskdir.DigestCache) goes to a directory of the session's, never ~/.cache; the
+    scripts the tests start inherit it."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield os.environ["XDG_CACHE_HOME"]
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture(scope="session")

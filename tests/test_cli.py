@@ -41,9 +41,19 @@ def test_generate_json_contract(text_ckpt, tmp_path):
 
 
 def test_generate_max_length_caps_prompt_plus_new(text_ckpt):
+    """Exactly the tokens of a run that never stops at EOS, cut at the first EOS or at 80 positions in all."""
+    from model import Transformer
+    from offload import OffloadConfig
+    from task import run_task
+    from tokenizer import load_tokenizer
     r = json.loads(cli("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-length", 80, "--chunk-size", 8,
                        "--offload", "cpu", "--window", 0, "--json").stdout)
-    assert r["prompt_tokens"] + len(r["tokens"]) == 80 or r["tokens"][-1] == 2
+    tok = load_tokenizer(text_ckpt)
+    ids = tok.encode(PROMPT)
+    assert r["prompt_ids"] == ids and len(ids) < 80
+    free, _ = run_task(Transformer.from_pretrained(text_ckpt), ids, 80 - len(ids), chunk_size=8, cfg=OffloadConfig())
+    ends = [i + 1 for i, t in enumerate(free) if t in tok.eos_ids]
+    assert r["tokens"] == free[:ends[0] if ends else len(free)]
 
 
 def test_generate_streams_text(text_ckpt):

@@ -71,9 +71,9 @@ def test_every_mode_bit_identical_to_none(llama, tmp_path, chunk, n_prompt, new,
     assert not any(os.scandir(tmp_path)), "the disk tier's files must be removed when the task ends"
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen2", torch.float32), ("llama", torch.bfloat16)])
+@pytest.mark.parametrize("arch,dtype", [("qwen2", torch.float32), ("llama", torch.bfloat16), ("llama", torch.float16)])
 def test_bit_identical_other_models_and_dtypes(checkpoint, tmp_path, arch, dtype):
-    """Qwen2 (q/k/v biases, tied embeddings) in fp32 and a bf16 cache, with sampling rather than greedy."""
+    """Qwen2 (q/k/v biases, tied embeddings) in fp32, bf16 and fp16 compute and caches, sampling rather than greedy."""
     ckpt = checkpoint(arch=arch, tie_word_embeddings=arch == "qwen2")
     model = Transformer.from_pretrained(ckpt, dtype=dtype)
     ids, s = prompt(90, model.args.vocab_size, seed=1), Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=3)
@@ -82,6 +82,22 @@ def test_bit_identical_other_models_and_dtypes(checkpoint, tmp_path, arch, dtype
         other = run(model, ids, 12, 16, mode, compress, 2, tmp_path, sampling=s)
         assert_identical(base, other, f"{arch} {dtype} {mode}+{compress}")
         assert_tiers_used(mode + ("+zstd" if compress == "zstd" else ""), other[2], f"{arch} {mode}")
+
+
+@pytest.mark.parametrize("chunk,n_prompt", [(16, 64), (32, 96)])
+def test_prompt_ending_on_a_chunk_boundary(llama, tmp_path, chunk, n_prompt):
+    """The prompt fills its last chunk exactly (so prefill ends on a seal and decoding opens a fresh chunk), then
+    decoding crosses several more boundaries: logits bit-identical in every mode, and close to the unchunked model."""
+    ids, new = prompt(n_prompt, llama.args.vocab_size, seed=7), 3 * chunk + 5
+    base = run(llama, ids, new, chunk)
+    for mode, compress in MODES:
+        assert_identical(base, run(llama, ids, new, chunk, mode, compress, 1, tmp_path), f"{mode}+{compress} at {chunk}")
+    with torch.inference_mode():
+        ref = llama(torch.tensor([ids + base[0][:-1]]))[0]               # [T, V]
+    lengths = [length for length, _ in base[1]]
+    assert n_prompt in lengths and all(length in lengths for length in range(n_prompt + chunk, n_prompt + new, chunk))
+    for length, logits in base[1]:
+        assert (ref[length - 1] - logits[0]).abs().max() < 1e-4, length
 
 
 def test_host_budget_spills_to_disk(llama, tmp_path):
@@ -129,7 +145,7 @@ from offload import OffloadConfig
 from model import Transformer
 m = Transformer.from_pretrained({ckpt!r})
 peaks = []
-for n in (1000, 4000):  # run_task's peak is its own: the max of RssAnon sampled at each step
+for n in (1000, 6000):  # run_task's peak is its own: the max of RssAnon sampled at each step
     ids = torch.randint(3, m.args.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     _, st = run_task(m, ids, 2, chunk_size=512, cfg=OffloadConfig(mode={mode!r}, window=1, offload_dir={tmp!r}))
     peaks.append(st["peak_host_anon_bytes"])
@@ -138,10 +154,11 @@ print(json.dumps(peaks))
 
 
 def test_disk_tier_anon_memory_does_not_grow_with_context(checkpoint, tmp_path):
-    """RssAnon (what the process holds) for a 4K prompt vs a 1K prompt: grows by the KV bytes with --offload none,
-    by far less with --offload disk, whose chunks live in the page cache (RssFile)."""
+    """RssAnon (what the process holds) for a 6K prompt vs a 1K prompt: grows by the KV bytes with --offload none,
+    by far less with --offload disk, whose chunks live in the page cache (RssFile). (Without generate.trim_heap the
+    freed activations that glibc keeps made the disk tier's growth wander between 5% and 40% of the KV.)"""
     ckpt = checkpoint(num_attention_heads=8, num_key_value_heads=8, head_dim=128)  # 16 KiB of fp32 KV per token
-    kv_extra = 3000 * 2 * 2 * 8 * 128 * 4
+    kv_extra = 5000 * 2 * 2 * 8 * 128 * 4
 
     def growth(mode):
         out = subprocess.run([sys.executable, "-c", MEMORY_PROBE.format(root=ROOT, ckpt=ckpt, mode=mode,
@@ -152,7 +169,7 @@ def test_disk_tier_anon_memory_does_not_grow_with_context(checkpoint, tmp_path):
 
     grow_none, grow_disk = growth("none"), growth("disk")
     assert grow_none > 0.8 * kv_extra, (grow_none, kv_extra)
-    assert grow_disk < 0.2 * kv_extra, (grow_disk, kv_extra)
+    assert grow_disk < 0.1 * kv_extra, (grow_disk, kv_extra)
 
 
 # -----------------------------------------------------------------------------

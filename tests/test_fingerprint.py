@@ -1,0 +1,124 @@
+"""
+Resume trusts only KV made by the same weights and settings (issue 11): two checkpoints of identical shapes, file
+sizes and headers, differing in one tensor's values; a run of A interrupted mid-decode, then a run of B over its
+directory. And the digest cache that spares later runs from hashing the weights again.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import taskdir
+from model import Transformer
+from offload import OffloadConfig
+from task import run_task
+from taskdir import model_fingerprint, run_fingerprint, safe_task_name
+
+C, NEW = 16, 40
+
+
+@pytest.fixture(scope="module")
+def twins(checkpoint, tmp_path_factory):
+    """(dir A, dir B): B is A with layer 0's v_proj scaled by 1.5, saved with the same names, shapes and order."""
+    root = tmp_path_factory.mktemp("twins")
+    a, b = root / "a", root / "b"
+    shutil.copytree(checkpoint(), a)
+    shutil.copytree(checkpoint(), b)
+    tensors = load_file(b / "model.safetensors")
+    name = "model.layers.0.self_attn.v_proj.weight"
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, b / "model.safetensors", metadata={"format": "pt"})
+    return str(a), str(b)
+
+
+def header(path):
+    with open(path, "rb") as f:
+        return f.read(8 + int.from_bytes(f.read(8), "little"))
+
+
+def test_twins_differ_only_in_weight_values(twins):
+    """The premise: what the old fingerprint hashed (config, headers, sizes) is equal; the new one differs."""
+    a, b = (os.path.join(d, "model.safetensors") for d in twins)
+    assert header(a) == header(b) and os.path.getsize(a) == os.path.getsize(b)
+    assert open(a, "rb").read() != open(b, "rb").read()
+    assert model_fingerprint(twins[0]) != model_fingerprint(twins[1])
+    assert model_fingerprint(twins[0]) == model_fingerprint(twins[0])
+
+
+def run_disk(model, ids, offload_dir, fingerprint, on_token=None):
+    log = []
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(offload_dir), keep_files=True)
+    new, stats = run_task(model, ids, NEW, chunk_size=C, cfg=cfg, task_id="t", on_token=on_token,
+                          fingerprint=fingerprint, log=log.append)
+    return new, stats, log
+
+
+def test_rerun_with_other_weights_never_resumes_from_their_chunks(twins, tmp_path):
+    model_a, model_b = (Transformer.from_pretrained(d) for d in twins)
+    fp_a, fp_b = (run_fingerprint(model_fingerprint(d), dtype="fp32") for d in twins)
+    ids = torch.randint(3, model_a.args.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref_b = run_task(model_b, ids, NEW, chunk_size=C, cfg=OffloadConfig())[0]  # B uninterrupted, no disk tier
+    assert run_task(model_a, ids, NEW, chunk_size=C, cfg=OffloadConfig())[0] != ref_b, "the twins must disagree"
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_20(out):
+        if len(out) == 20:
+            raise Crash
+    with pytest.raises(Crash):  # A dies mid-decode, its directory and manifest left behind
+        run_disk(model_a, ids, tmp_path / "off", fp_a, on_token=crash_at_20)
+    with open(tmp_path / "off" / safe_task_name("t") / "manifest.json") as f:
+        assert len(json.load(f)["chunks"]) >= 2
+    shutil.copytree(tmp_path / "off", tmp_path / "control")
+
+    new, stats, log = run_disk(model_b, ids, tmp_path / "off", fp_b)
+    assert stats["resumed_from"] == 0
+    assert len(log) == 1 and "another fingerprint" in log[0] and "not used" in log[0], log
+    assert new == ref_b
+
+    # the control: had B been given A's fingerprint (as header-only hashing did), it would resume and go wrong
+    new, stats, _ = run_disk(model_b, ids, tmp_path / "control", fp_a)
+    assert stats["resumed_from"] > 0 and new != ref_b
+
+
+def test_run_fingerprint_chains_the_settings():
+    fp = run_fingerprint("m", dtype="fp32")
+    assert fp != run_fingerprint("m", dtype="bf16") and fp != run_fingerprint("n", dtype="fp32")
+    assert fp == run_fingerprint("m", dtype="fp32", quantize=None)  # an unused option leaves it unchanged
+    assert fp != run_fingerprint("m", dtype="fp32", quantize="int8")
+
+
+def test_digest_cache_hashes_each_file_once(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = tmp_path / "m"
+    shutil.copytree(checkpoint(), ckpt)
+    hashed = []
+    real = taskdir.file_sha256
+    monkeypatch.setattr(taskdir, "file_sha256", lambda p: hashed.append(p) or real(p))
+    first = model_fingerprint(ckpt)
+    assert first == model_fingerprint(ckpt) and len(hashed) == 1  # the second run read the cache
+    cache_file = tmp_path / "cache" / "kvoffload" / "digests.json"
+    assert os.stat(cache_file).st_mode & 0o777 == 0o600
+    assert os.stat(cache_file.parent).st_mode & 0o777 == 0o700
+
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1                        # the same size, and the old mtime put back: ctime still tells
+    st = os.stat(weights)
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert model_fingerprint(ckpt) != first and len(hashed) == 2
+
+
+def test_unwritable_digest_cache_is_no_error(checkpoint, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
+    (tmp_path / "cache" / "kvoffload").mkdir(parents=True)
+    (tmp_path / "cache" / "kvoffload" / "digests.json").write_text("{not json")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
