@@ -168,13 +168,13 @@ def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch,
         return logits
 
     def load(self, layer, j):
-        k, v = real_load(self, layer, j)
+        kv = real_load(self, layer, j)                  # the chunk [2, B, G, C, D]: K at 0, V at 1
         if (layer, j) == (0, 1) and self.loc[(layer, j)] is DISK:
             if not flipped:
                 flipped.append(len(steps))  # the step in flight
-            v = v.clone()
-            v.view(torch.int32)[0, 0, 0, 0] ^= 1 << 31  # the sign bit of one value
-        return k, v
+            kv = kv.clone()
+            kv[1].view(torch.int32)[0, 0, 0, 0] ^= 1 << 31  # the sign bit of one value of V
+        return kv
     monkeypatch.setattr(generate, "forward", forward)
     monkeypatch.setattr(TieredStore, "load", load)
     rc = verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", str(C), "--window", "1",
@@ -191,7 +191,7 @@ def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch,
 
 STATS_KEYS = {"prefill_s", "prefill_tokens_per_s", "ttft_s", "decode_s", "decoded_tokens", "decode_tokens_per_s",
               "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes", "peak_host_file_bytes",
-              "pinned_bytes", "bytes", "io", "chunks", "resumed_from"}
+              "pinned_bytes", "bytes", "io", "chunks", "resumed_from", "kv_dtype"}
 
 
 def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
@@ -203,7 +203,7 @@ def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
     r = by_id(tmp_path / "results.jsonl")["one"]
     st = r["stats"]
     assert set(st) == STATS_KEYS, set(st) ^ STATS_KEYS
-    assert set(st["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read"}
+    assert set(st["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read", "window_skipped"}
     assert set(st["io"]) == {"storage_read", "storage_write"} and set(st["chunks"]) == {"device", "host", "disk"}
     assert st["bytes"]["h2d"] == 0 and st["pinned_bytes"] == 0, st  # CPU: no host-to-device link, nothing pinned
     assert st["decoded_tokens"] == len(r["tokens"]) - 1 and st["resumed_from"] == 0
