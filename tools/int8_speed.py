@@ -50,7 +50,7 @@ def run_once(model, ids, new_tokens, chunk_size):
     the time the OS gave the core to someone else, the thread's CPU time does not."""
     marks = []  # (wall, thread CPU) when the first token was sampled, then when each decode step ended
     clock = lambda: (time.perf_counter(), time.thread_time())  # noqa: E731
-    new, st = run_task(model, None, ids, new_tokens, chunk_size, OffloadConfig(),
+    new, st = run_task(model, ids, new_tokens, chunk_size=chunk_size, cfg=OffloadConfig(),
                        on_token=lambda out: len(out) == 1 and marks.append(clock()),
                        on_step=lambda phase, *_: phase == "decode" and marks.append(clock()))
     for i, key in enumerate(("decode_tokens_per_s", "decode_tokens_per_cpu_s")):

@@ -26,7 +26,7 @@ def main():
         return
     from generate import decode_one_token, prefill
     from offload import OffloadConfig
-    from task import make_cache
+    from kvcache import make_cache
     from tp import agree_min, init_distributed, load_sharded
     torch.set_num_threads(1)
     layout = init_distributed()
