@@ -15,11 +15,8 @@ Numbers are medians of --repeats runs, the spread (min-max) beside them. Decode 
 (a preemption or a chunk seal, 1 step in C, does not move it; run_task's mean is decode_tokens_per_s_mean). The
 prompt is random token ids with a fixed seed, so EOS never ends a run early.
 
-JSON: {"machine", "config", "calibration", "results": [a row per context and mode: medians of prefill_tokens_per_s,
-decode_tokens_per_s, ttft_s, peak_device_bytes, peak_host_rss_bytes, peak_host_anon_bytes, bytes, chunks; and
-*_spread, prefill_vs_none, decode_vs_none, predicted_decode_tokens_per_s, prediction_error, ours_over_hf_prefill,
-ours_over_hf_decode], "hf": [rows of transformers' caches]}; the probe's: {"machine", "config", "calibration",
-"predicted", "verdict"}.
+JSON (--json OUT): {"machine", "config", "calibration", "results": [a row per context and mode: the medians above,
+their spreads, ratios to none and to transformers, predicted decode], "hf": [transformers' rows]}.
 """
 import argparse
 import json
