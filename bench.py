@@ -254,11 +254,7 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=512, window=1, ckpt_help="Hugging Face checkpoint directory (default: the demo "
                      "model in assets/); with --random-model, a new directory to write the random model to "
-                     "(default: a temporary one)")
-    for action in p._actions:
-        if action.dest == "window":  # the worst case, as the bench is for measuring what offload costs
-            action.help = ("sealed chunks per layer kept on the device (default 1: nearly all the context "
-                           "offloaded, the worst case; generate.py's default is 4)")
+                     "(default: a temporary one)")  # window 1: nearly all the context offloaded, the worst case
     p.add_argument("--random-model", metavar="SPEC", help=f"bench a random model: a preset {sorted(PRESETS)} and/or "
                    "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
     p.add_argument("--layers", type=int, help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
