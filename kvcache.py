@@ -73,13 +73,14 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks future keys.
     Returns (o [B, G, R*T, D], lse [B, G, R*T, 1]), both fp32: the chunk's output and log-sum-exp of its scores.
     """
+    if visible is None and fused:  # the common case first: a chunk visit is the hot loop
+        if q.is_cpu and _FLASH_CPU is not None:
+            o, lse = _FLASH_CPU(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
+            return (o if o.dtype == torch.float32 else o.float()), lse.unsqueeze(-1)
+        if q.is_cuda and use_fused_cuda(q):
+            return fused_cuda(q, k, v)
     B, G, RT, D = q.shape
     L = k.shape[2]
-    if visible is None and fused and q.device.type == "cpu" and _FLASH_CPU is not None:
-        o, lse = _FLASH_CPU(q, k, v, scale=1.0)                    # [B, G, R*T, D], [B, G, R*T]
-        return o.float(), lse.unsqueeze(-1)
-    if visible is None and fused and q.device.type == "cuda" and use_fused_cuda(q):
-        return fused_cuda(q, k, v)
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that stalls under CPU load
     s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2)).view(B, G, RT, L).float()
     if visible is not None:

@@ -218,24 +218,22 @@ class TieredStore:
         return self.open[layer]
 
     def load(self, layer, j):
-        where = self.loc[(layer, j)]
+        key = (layer, j)
+        where = self.loc[key]
         if where is DEVICE:
-            kv = self.resident[(layer, j)]
-        elif not self.staged:  # CPU: read in place, host pool or mapped file
-            if where is DISK:
-                self.written[(layer, j)].result()  # its write must have landed in the mapping
-                kv = self.disk.view(layer, j)
-                self._count("disk_mapped_read", self.chunk_bytes)  # read by attention itself, page cache or disk
-            else:
-                kv = self.host.slots[where.slot]
-        else:
-            l, jj, slot, fut = self.staging.inflight[0]
-            assert (l, jj) == (layer, j), f"prefetch order broken: expected {(l, jj)}, attention asked {(layer, j)}"
-            fut.result()  # re-raises an I/O error of the reader here, in the step that needed the chunk
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
-            kv = self.staging.slots[slot]
-        return kv
+            return self.resident[key]
+        if not self.staged:  # CPU: read in place, host pool or mapped file
+            if where is not DISK:
+                return self.host.slots[where.slot]
+            self.written[key].result()  # its write must have landed in the mapping
+            self._count("disk_mapped_read", self.chunk_bytes)  # read by attention itself, page cache or disk
+            return self.disk.view(layer, j)
+        l, jj, slot, fut = self.staging.inflight[0]  # staged (CUDA, zstd): the head of the prefetch queue
+        assert (l, jj) == key, f"prefetch order broken: expected {(l, jj)}, attention asked {key}"
+        fut.result()  # re-raises an I/O error of the reader here, in the step that needed the chunk
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
+        return self.staging.slots[slot]
 
     def release(self, layer, j):
         if not self.staged or self.loc[(layer, j)] is DEVICE:
