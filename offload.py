@@ -165,7 +165,7 @@ class TieredStore:
             self.reader.submit(self._advise, order)  # page in, ahead of use, whatever it has evicted
 
     def _advise(self, order):
-        """Reader thread: one madvise per layer over the span of its disk chunks (the file keeps them in order)."""
+        """Reader thread: one fadvise per layer over the span of its disk chunks (the file keeps them in order)."""
         span = {}
         for l, j in order:
             if self.loc[(l, j)] is DISK:
