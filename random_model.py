@@ -17,6 +17,8 @@ PRESETS = {  # --random-model NAME[,key=value,...]
     "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000),  # Llama-2-7B
     "kv-heavy": dict(dim=1024, layers=4, heads=16, kv_heads=16, head_dim=64, hidden=2816, vocab=32000),
     "tiny": dict(dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, hidden=128, vocab=256),
+    "kv16k": dict(dim=256, layers=2, heads=8, kv_heads=8, head_dim=128, hidden=512, vocab=256),  # 16 KiB fp32 KV/token
+    "smollm2-135m": dict(dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, hidden=1536, vocab=49152),
 }
 
 
