@@ -104,3 +104,25 @@ def test_nothing_points_outside_the_repository():
                 text = open(os.path.join(dirpath, f), encoding="utf-8", errors="replace").read()
                 outside = ("../" + "shared", "DESIGN" + ".md")  # spelled apart, so that this file passes its own test
                 assert not any(o in text for o in outside), os.path.join(dirpath, f)
+
+
+def test_walkthrough_names_functions_that_exist():
+    """docs/walkthrough.md teaches by naming functions: every `module.name` and every `name(...)` it names exists."""
+    import importlib
+    text = open(os.path.join(ROOT, "docs", "walkthrough.md")).read()
+    sources = "".join(open(os.path.join(ROOT, m + ".py")).read() for m in project_modules())
+    checked = 0
+    for token, call in re.findall(r"`([A-Za-z_][\w.]*)(\([^`]*\))?`", text):
+        head, *rest = token.split(".")
+        if rest in (["py"], ["md"], ["json"]):  # a file's name, not a function
+            continue
+        if head in project_modules() and rest:
+            obj = importlib.import_module(head)
+            for attr in rest:
+                obj = getattr(obj, attr)  # AttributeError: the walkthrough names something that is not there
+            checked += 1
+        elif not rest and "_" in token and (call or token.startswith("_")) and token.islower() \
+                and not hasattr(os, token):  # a function of ours, named bare: decode_one_token(...), _advise
+            assert re.search(rf"def {token}\(", sources), f"docs/walkthrough.md names {token}, which no file defines"
+            checked += 1
+    assert checked >= 15, checked
