@@ -282,3 +282,28 @@ def test_progress_silent_for_a_short_prefill():
     p.update(100, 100)
     assert out.getvalue() == ""
     assert [duration(s) for s in (4.4, 65, 7300)] == ["4s", "1m05s", "2h01m"]
+
+
+def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
+    """`generate.py --chat --system S --prompt Q` on an instruct-style checkpoint feeds exactly the ids transformers'
+    apply_chat_template(..., add_generation_prompt=True) builds, and batch lines may carry "messages"."""
+    import shutil
+    import cli
+    ckpt = tmp_path / "instruct"
+    shutil.copytree(checkpoint(vocab_size=384), ckpt)
+    toks = build_json_ckpt(tmp_path / "tok", CHATML)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(toks / name, ckpt / name)
+    question = "the lazy dog jumps over a fox"
+    capsys.readouterr()
+    assert cli.main(["--ckpt", str(ckpt), "--chat", "--system", SYSTEM, "--prompt", question, "--json",
+                     "--max-new-tokens", "2", "--chunk-size", "16"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["prompt_ids"] == hf_chat_ids(ckpt, chat_messages(question, SYSTEM))
+    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "results.jsonl"
+    tasks.write_text(json.dumps({"id": "m", "messages": CHATS["turns"], "max_new_tokens": 2}) + "\n")
+    assert cli.main(["--ckpt", str(ckpt), "--prompts", str(tasks), "--output", str(out), "--chunk-size", "16"]) == 0
+    assert json.loads(out.read_text())["prompt_ids"] == hf_chat_ids(ckpt, CHATS["turns"])
+    capsys.readouterr()
+    assert cli.main(["--ckpt", str(ckpt), "--system", SYSTEM, "--prompt", question]) == 2  # --system needs --chat
+    assert "--chat" in capsys.readouterr().err
