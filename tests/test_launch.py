@@ -111,3 +111,37 @@ def test_launch_refusals_are_one_sentence(text_ckpt, capsys, case):
         err = "\n".join(l for l in p.stderr.splitlines() if l.startswith("generate.py: error"))
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--tp" in lines[0] and ("torchrun" in lines[0] or "divid" in lines[0]), err
+
+
+def test_tensor_parallel_rank_killed_mid_task_resumes(text_ckpt, tmp_path, capsys):
+    """2 ranks share one model; one is killed (SIGKILL) while the task decodes; the same command again resumes both
+    ranks from the prefix both manifests vouch for and writes the single-process tokens."""
+    task = {"id": "long", "prompt": TEXT * 3, "max_new_tokens": 150}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(task) + "\n")
+    flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16, "--window", 1]
+    single(flags + ["--output", tmp_path / "one.jsonl", "--offload-dir", tmp_path / "off1"], capsys)
+    ref = json.loads((tmp_path / "one.jsonl").read_text())["tokens"]
+    out, off = tmp_path / "two.jsonl", tmp_path / "off2"
+    argv = flags + ["--output", out, "--offload-dir", off]
+    p = torchrun("generate.py", *argv, wait=False)
+    manifests = [off / "task_long" / f"rank{r}" / "manifest.json" for r in (0, 1)]
+    deadline = time.monotonic() + 240
+    while True:  # kill once both ranks' checkpoints vouch for decoded tokens
+        try:
+            ms = [json.loads(m.read_text()) for m in manifests]
+            if all(len(m["tokens"]) > len(m["prompt_ids"]) + 20 for m in ms):
+                break
+        except (OSError, ValueError):
+            pass
+        assert p.poll() is None, p.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == p.pid]
+    os.kill(workers[-1], signal.SIGKILL)
+    p.communicate(timeout=120)
+    assert not out.exists() or out.read_text() == "", "the kill must land mid-task"
+    again = torchrun("generate.py", *argv)
+    assert again.returncode == 0, again.stderr
+    r = json.loads(out.read_text())
+    assert r["tokens"] == ref and r["stats"]["resumed_from"] > 0, r["stats"]
