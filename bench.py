@@ -169,6 +169,7 @@ def run_reuse(model, args, contexts):
         asks = [torch.randint(3, model.args.vocab_size, (32,), generator=g).tolist() for _ in range(2)]
         cold, warm = [], []
         for rep in range(args.repeats):
+            os.makedirs(args.kv_store, mode=0o700, exist_ok=True)  # owner-only, as a store of its own would be
             store = KVStore(os.path.join(args.kv_store, f"bench-{os.getpid()}-{ctx}-{rep}"))
             for ask, out in zip(asks, (cold, warm)):
                 cfg = OffloadConfig(mode=MODE_SPECS[args.reuse_mode][0], compress=MODE_SPECS[args.reuse_mode][1],
