@@ -42,12 +42,12 @@ def existing_ancestor(path):
     return path
 
 
-def fs_type(path):
+def fs_type(path, mounts="/proc/mounts"):
     """The file system type of the mount holding `path`, from /proc/mounts (the longest mount point that is a
     prefix of its real path); None where there is no /proc."""
     real, best = os.path.realpath(existing_ancestor(path)), ("", None)
     try:
-        with open("/proc/mounts") as f:
+        with open(mounts) as f:
             for line in f:
                 _, mnt, kind = line.split()[:3]
                 mnt = mnt.replace("\\040", " ")

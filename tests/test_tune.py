@@ -126,10 +126,21 @@ def test_diagnose_finds_a_budget_smaller_than_the_kv(capsys, llama_ckpt):
     assert "--cpu-budget 1e-06 GiB holds 0 of the 28 chunks" in line and "fix: --cpu-budget" in line, line
 
 
-def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt):
-    if doctor.fs_type("/dev/shm") != "tmpfs":
-        pytest.skip("no tmpfs at /dev/shm here")
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"/dev/shm/kv-{os.getpid()}",
+def test_fs_type_reads_the_longest_mount(tmp_path):
+    mounts = tmp_path / "mounts"
+    (tmp_path / "ram" / "disk").mkdir(parents=True)  # mount points exist; the offload dirs below them need not
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tmp_path}/ram tmpfs rw 0 0\nnvme {tmp_path}/ram/disk xfs rw 0 0\n")
+    assert doctor.fs_type(str(tmp_path / "ram" / "kv"), mounts) == "tmpfs"        # a directory not made yet
+    assert doctor.fs_type(str(tmp_path / "ram" / "disk" / "kv"), mounts) == "xfs"  # the longest mount point wins
+    assert doctor.fs_type(str(tmp_path / "elsewhere"), mounts) == "ext4"
+
+
+def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt, tmp_path, monkeypatch):
+    """The offload dir's file system as /proc/mounts would give it: tmpfs (whatever this machine mounts where)."""
+    ram = str(tmp_path / "ram")
+    real = doctor.fs_type
+    monkeypatch.setattr(doctor, "fs_type", lambda p, *a: "tmpfs" if p.startswith(ram) else real(p, *a))
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"{ram}/kv",
                               "--chunk-size", 16, "--window", 2, "--context", 256)
     assert rc == 1
     assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line for line in found), out
