@@ -29,7 +29,6 @@ removed (only if the path still names the file that failed), so the caller recom
 import argparse
 import errno
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -65,13 +64,6 @@ class Rejected(Exception):
 
 # -----------------------------------------------------------------------------
 # keys
-
-def run_fingerprint(**fields):
-    """One canonical string from everything that shapes the KV bytes besides the tokens: pass the model's content
-    fingerprint, dtype, quantization, chunk size, rope settings, KV layout (batch, kv heads, head dim, tensor
-    parallel rank and size), device kind and torch version. Sorted JSON, so the order of the fields does not matter."""
-    return json.dumps(fields, sort_keys=True, default=str)
-
 
 def chunk_keys(run_fp, ids, C):
     """Keys of the full chunks of ids (a list or 1-D tensor of token ids) at chunk size C: key j stands for

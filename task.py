@@ -11,10 +11,11 @@ import torch
 
 from generate import Sampling, generate
 from kvcache import make_cache
+from kvstore import chunk_keys
 from monitor import host_memory, process_io
 from offload import on_cuda
 from quantize import weight_bytes
-from taskdir import TaskDir
+from taskdir import TaskDir, run_fingerprint
 from tp import Layout, agree_min, broadcast_token
 
 
@@ -173,11 +174,10 @@ class PromptCache:
     Chunks filled one generated token at a time (a second turn of a dialogue) are never stored."""
 
     def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
-        import kvstore
         a, s = model.args, cache.store
-        run = kvstore.run_fingerprint(model=fingerprint, dtype=str(s.dtype), device=str(s.device), chunk=s.shape,
-                                      n_layers=a.n_layers, torch=torch.__version__)
-        self.kv, self.store, self.keys = kv_store, s, kvstore.chunk_keys(run, prompt_ids, cache.chunk_size)
+        run = run_fingerprint(fingerprint, dtype=s.dtype, device=s.device, chunk=s.shape, n_layers=a.n_layers,
+                              torch=torch.__version__)  # CPU and CUDA kernels, or torch versions, may round apart
+        self.kv, self.store, self.keys = kv_store, s, chunk_keys(run, prompt_ids, cache.chunk_size)
         self.P, self.adopted, self.stored, self.pending = len(prompt_ids), 0, [], None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")  # fsyncs stay off the critical path
         self.bytes_read = 0

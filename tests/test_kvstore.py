@@ -19,11 +19,11 @@ import torch
 
 import kvstore
 from disk import ALIGN
-from kvstore import HEADER, KVStore, StoreError, chunk_keys, run_fingerprint
+from kvstore import HEADER, KVStore, StoreError, chunk_keys
 from model import Transformer
 from offload import OffloadConfig
 from task import run_task
-from taskdir import model_fingerprint
+from taskdir import model_fingerprint, run_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (2, 1, 2, 16, 8)  # one chunk [2, B, G, C, D]
@@ -53,9 +53,9 @@ def test_chunk_keys_chain_every_earlier_token_and_the_run_fingerprint():
         assert other[:j] == base[:j] and all(a != b for a, b in zip(other[j:], base[j:])), p
     for fp, c in (("fp2", C), ("fp", 4), ("fp", 10)):     # another model, dtype or chunk size never matches
         assert not set(chunk_keys(fp, ids, c)) & set(base), (fp, c)
-    fp = run_fingerprint(model="m", dtype="bf16", chunk_size=8)
-    assert fp == run_fingerprint(chunk_size=8, dtype="bf16", model="m")  # the order of the fields does not matter
-    assert fp != run_fingerprint(model="m", dtype="fp16", chunk_size=8)
+    fp = run_fingerprint("m", dtype="bf16", chunk_size=8)     # the run fingerprint task.py chains the keys from
+    assert fp == run_fingerprint("m", chunk_size=8, dtype="bf16")  # the order of the fields does not matter
+    assert fp != run_fingerprint("m", dtype="fp16", chunk_size=8)
 
 
 # -----------------------------------------------------------------------------
