@@ -19,9 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import launch
-
 from disk import DISK_FULL, DiskError
-from offload import OffloadError
+from pools import OffloadError
 from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import messages_problem
 from tp import Layout

@@ -32,17 +32,28 @@ import numpy as np
 import torch
 
 import probe
+from checkpoint import CheckpointError
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    MODE_SPECS,
+    UsageError,
+    add_common_flags,
+    check_common,
+    quantize_mode,
+    read_model_args,
+    rope_override,
+)
 from disk import DiskError
-from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, quantize, read_model_args,
-                 rope_override)
 from kvcache import kv_bytes_per_token
-from model import CheckpointError, Transformer
+from model import Transformer
 from monitor import host_memory
-from quantize import weight_bytes  # noqa: F401 (also tune.py's)
-from offload import OffloadConfig, OffloadError
+from offload import OffloadConfig
+from pools import OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
+from quantize import weight_bytes
+from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec
 from task import run_task
-from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec  # noqa: F401 (re-exported)
 from taskdir import TaskDirError
 
 # -----------------------------------------------------------------------------
@@ -76,6 +87,7 @@ def run_hf(hf, ids, new_tokens, device, offloaded=False):
     """Prefill in one call, then greedy decoding one token per call, with DynamicCache (offloading=True: each
     layer's KV goes to the CPU after use and is prefetched back for the next step; CUDA only)."""
     import inspect
+
     import transformers
     params, cuda = inspect.signature(hf.forward).parameters, is_cuda(device)
     try:
@@ -343,7 +355,7 @@ def main(argv=None):
             print(json.dumps(child_run(args, contexts, margs.vocab_size, dt)))
             return 0
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, rope_override=rope_override(args),
-                                            quantize=quantize(args))
+                                            quantize=quantize_mode(args))
         hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not (args.probe or args.fresh_process) else None
         machine, cuda = probe.environment(args.device), is_cuda(args.device)
         config = {k: v for k, v in vars(args).items() if k != "sizes"} | {

@@ -16,18 +16,20 @@ import sys
 import torch
 
 import launch
+import taskdir
 from batch import run_batch
+from checkpoint import CheckpointError, read_json
 from generate import Sampling
 from kvcache import KV_DTYPES
 from kvstore import KVStore, StoreError
-from model import CheckpointError, ModelArgs, read_json
+from model import ModelArgs
 from monitor import Monitor, progress_line
-from offload import COMPRESSIONS, MODES, OffloadConfig, OffloadError
+from offload import COMPRESSIONS, MODES, OffloadConfig
+from pools import OffloadError
 from progress import Progress
 from quantize import kernel_status
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
-import taskdir
 from taskdir import TaskDirError, model_fingerprint
 from tokenizer import load_tokenizer
 from tp import gather_stats
@@ -161,7 +163,7 @@ def rope_override(args):
     return (args.rope_scaling, args.rope_factor, args.rope_orig_ctx) if args.rope_scaling else None
 
 
-def quantize(args):
+def quantize_mode(args):
     """from_pretrained's quantize: None or "int8"."""
     return None if args.quantize == "none" else args.quantize
 
@@ -171,7 +173,7 @@ def run_fingerprint(ckpt, args):
     quantization and the KV dtype (the dtype, chunk size and device are in the task itself): resume and the KV
     store never mix runs that differ in any of them."""
     return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype, rope=rope_override(args),
-                                   quantize=quantize(args), kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+                                   quantize=quantize_mode(args), kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -302,7 +304,7 @@ def main(argv=None):
             torch.set_num_threads(args.threads)
         kv_store = open_kv_store(args)
         monitor = Monitor(args.trace if speak else None, log=log)
-        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize(args))
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize_mode(args))
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
         # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting that changes

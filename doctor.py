@@ -26,10 +26,11 @@ import torch
 
 import probe
 import verify
-from cli import DTYPES, UsageError, add_common_flags, check_common, read_model_args
-from model import CheckpointError, Transformer
-from offload import COMPRESSIONS, MODES
+from checkpoint import CheckpointError
+from cli import DEMO_CKPT, DTYPES, UsageError, add_common_flags, check_common, read_model_args
+from model import Transformer
 from monitor import fmt_bytes, mem_available
+from offload import COMPRESSIONS, MODES
 from tune import slot
 
 GiB = 2**30
@@ -261,7 +262,7 @@ def main(argv=None):
     a = build_parser().parse_args(argv)
     device_ok = not probe.is_cuda(a.device) or torch.cuda.is_available()
     try:
-        a.ckpt = a.ckpt or verify.DEMO_CKPT
+        a.ckpt = a.ckpt or DEMO_CKPT
         if not os.path.isdir(a.ckpt):
             raise UsageError(f"--ckpt {a.ckpt}: no such directory")
         if min(a.max_new_tokens, a.probe_mib // 8, a.context or 1) < 1 or a.target_tok_s <= 0:

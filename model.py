@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, checkpoint_files, iter_checkpoint, read_json  # noqa: F401 (re-exported)
+from checkpoint import CheckpointError, iter_checkpoint, read_json
 from quantize import Int8Linear, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
@@ -78,9 +78,6 @@ class ModelArgs:
         orig = self.max_seq_len if orig_ctx is None else orig_ctx
         block = override_block(kind, factor, orig)
         return dataclasses.replace(self, rope_scaling=block, max_seq_len=int(factor * orig))
-
-    def kv_bytes_per_token(self, dtype):  # K and V, all layers
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
     def from_config(cls, cfg, path="config.json"):

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
-from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda  # noqa: F401
+from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda
 
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")

@@ -357,5 +357,6 @@ def report(machine, cal, args, margs, contexts, modes, cuda):
 
 if __name__ == "__main__":  # the probe's command line is bench.py's: `python probe.py ...` is `bench.py --probe ...`
     import sys
+
     import bench
     sys.exit(bench.main(["--probe", *sys.argv[1:]]))

@@ -13,7 +13,7 @@ from generate import Sampling, generate
 from kvcache import make_cache
 from kvstore import chunk_keys
 from monitor import host_memory, process_io
-from offload import on_cuda
+from pools import on_cuda
 from quantize import weight_bytes
 from taskdir import TaskDir, run_fingerprint
 from tp import Layout, agree_min, broadcast_token

@@ -19,7 +19,7 @@ import json
 import os
 import re
 
-from model import checkpoint_files
+from checkpoint import checkpoint_files
 
 MANIFEST_VERSION = 1
 

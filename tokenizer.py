@@ -8,7 +8,7 @@ import os
 import re
 from datetime import datetime
 
-from model import CheckpointError, read_json
+from checkpoint import CheckpointError, read_json
 
 # the named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

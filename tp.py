@@ -41,8 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from model import (CheckpointError, ModelArgs, Transformer, check_complete, checkpoint_files, expected, read_json,
-                   rope_inv_freq)
+from checkpoint import CheckpointError, checkpoint_files, read_json
+from model import ModelArgs, Transformer, check_complete, expected
+from rope import rope_inv_freq
 
 VOCAB_MODES = ("shard", "replicate")
 

@@ -32,12 +32,24 @@ import torch
 
 import bench
 import probe
-from cli import DTYPES, UsageError, add_common_flags, check_common, quantize, read_model_args, remove_if_empty
+from checkpoint import CheckpointError
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    UsageError,
+    add_common_flags,
+    check_common,
+    quantize_mode,
+    read_model_args,
+    remove_if_empty,
+)
 from disk import ALIGN, DiskError, round_up
 from kvcache import kv_bytes_per_token
-from model import CheckpointError, Transformer
+from model import Transformer
 from monitor import mem_available
-from offload import OffloadConfig, OffloadError
+from offload import OffloadConfig
+from pools import OffloadError
+from quantize import weight_bytes
 from random_model import PRESETS, build_random_checkpoint, parse_model_spec
 from taskdir import TaskDirError
 
@@ -143,7 +155,7 @@ def as_args(args, c):
 # the search
 
 def search(model, margs, args, log):
-    cuda, ctx, weights = probe.is_cuda(args.device), args.context, bench.weight_bytes(model)
+    cuda, ctx, weights = probe.is_cuda(args.device), args.context, weight_bytes(model)
     cands = candidates(margs, args, cuda)
     zstd, free = any(c.compress == "zstd" for c in cands), shutil.disk_usage(args.offload_dir).free
     sizes = sorted({c.chunk_size for c in cands if not c.pruned})
@@ -342,7 +354,7 @@ def check(args):
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the "
                              "new model; give a new directory")
-    elif not os.path.isdir(args.ckpt or bench.DEMO_CKPT):
+    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
         raise UsageError(f"--ckpt {args.ckpt}: no such directory")
 
 
@@ -358,12 +370,12 @@ def main(argv=None):
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tempfile.mkdtemp(prefix="tune-model-"), dt,
                                                 args.device)
             log(f"random model written to {args.ckpt} (kept: the command below uses it)")
-        args.ckpt = args.ckpt or bench.DEMO_CKPT
+        args.ckpt = args.ckpt or DEMO_CKPT
         margs = read_model_args(args.ckpt)
         if args.context + args.new_tokens > margs.max_context:
             raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} is past the model's "
                              f"maximum context of {margs.max_context} positions")
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, quantize=quantize(args))
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, quantize=quantize_mode(args))
         free = 0.9 * torch.cuda.mem_get_info(args.device)[0] if probe.is_cuda(args.device) else mem_available() / 2
         args.device_budget = args.device_budget or free / 2**30  # defaults: see the flags' help
         args.cpu_budget = mem_available() / 2 / 2**30 if args.cpu_budget is None else args.cpu_budget

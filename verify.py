@@ -15,19 +15,31 @@ mismatch (the first differing step is named); 2: bad usage.
 import argparse
 import json
 import os
+import pydoc_data.topics
 import sys
 
-import pydoc_data.topics
 import torch
 
 import launch
-from cli import (DEMO_CKPT, DTYPES, MODE_SPECS, UsageError, add_common_flags, check_common, open_kv_store,
-                 quantize, read_model_args, rope_override, run_fingerprint)
-from model import CheckpointError
-from offload import OffloadConfig, OffloadError
+from checkpoint import CheckpointError
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    MODE_SPECS,
+    UsageError,
+    add_common_flags,
+    check_common,
+    open_kv_store,
+    quantize_mode,
+    read_model_args,
+    rope_override,
+    run_fingerprint,
+)
+from offload import OffloadConfig
+from pools import OffloadError
 from task import run_task
-from tp import agree_min
 from tokenizer import load_tokenizer
+from tp import agree_min
 
 # real English text that every Python installation carries: the reference manual's pages on a few statements
 DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in ("with", "try", "for", "while", "if", "assignment"))
@@ -109,7 +121,7 @@ def main(argv=None):
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device window "
                              f"({args.window} chunks of {args.chunk_size} plus the open one): nothing would be "
                              "offloaded, so nothing would be verified; lower --chunk-size or --window")
-        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize(args))
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize_mode(args))
         run = lambda mode, compress, **kw: run_mode(model, ids, args.max_new_tokens, args.chunk_size, mode,  # noqa
                                                     compress, args, layout=layout, **kw)
         runs = {"none": run("none", "none")}

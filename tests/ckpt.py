@@ -94,6 +94,7 @@ def add_sentencepiece(ckpt_dir, vocab_size=400):
     """Train a small sentencepiece model (byte fallback on) on Python's own documentation into ckpt_dir, so that
     generate.py and verify.py can run on the checkpoint with text. Its vocab must fit the model's vocab_size."""
     import pydoc_data.topics
+
     import sentencepiece as spm
     lines = [l for t in sorted(pydoc_data.topics.topics.values())[:60] for l in t.splitlines() if l.strip()]
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=os.path.join(ckpt_dir, "tokenizer"),

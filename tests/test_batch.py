@@ -9,20 +9,21 @@ runs in-process, which is the same code minus ~3 s of importing torch.
 import errno
 import json
 import os
+import pydoc_data.topics
 import resource
 import signal
 import subprocess
 import sys
 import time
 
-import pydoc_data.topics
 import pytest
 import torch
 
 import cli
+from disk import ALIGN, round_up
 from model import Transformer
 from monitor import Monitor
-from offload import ALIGN, OffloadConfig, TieredStore, round_up
+from offload import OffloadConfig, TieredStore
 from task import run_task
 from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import load_tokenizer

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+from random_model import parse_model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "dim=32,layers=2,heads=4,kv_heads=2,hidden=64,vocab=128"
@@ -98,10 +99,10 @@ def test_random_model_refuses_a_non_empty_directory(tmp_path, capsys):
 
 
 def test_model_spec_presets_and_overrides():
-    s = bench.parse_model_spec("7b-like", layers=4)
+    s = parse_model_spec("7b-like", layers=4)
     assert s == dict(dim=4096, layers=4, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000)
-    assert bench.parse_model_spec("7b-like,kv_heads=8")["kv_heads"] == 8
-    assert bench.parse_model_spec(TINY)["head_dim"] == 32 // 4
+    assert parse_model_spec("7b-like,kv_heads=8")["kv_heads"] == 8
+    assert parse_model_spec(TINY)["head_dim"] == 32 // 4
 
 
 def test_fresh_process_runs_each_side_in_its_own_process(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from model import CheckpointError, Transformer
+from checkpoint import CheckpointError
+from model import Transformer
 from progress import Progress, duration
 from tokenizer import Tokenizer, chat_messages, messages_problem
 
@@ -78,7 +79,8 @@ def write_json(path, obj):
 
 def build_json_ckpt(path, template=None, bos_processor=False, **tokenizer_config):
     """A byte-level BPE tokenizer.json with ChatML and Llama 2 special tokens, its configs, and a template."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     r = random.Random(0)
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -190,6 +192,7 @@ def test_sentencepiece_bos_once(tmp_path, legacy):
     """A template that writes bos_token, on a sentencepiece model that prepends BOS to plain text: BOS once per
     user turn. legacy=True is compared with transformers' sentencepiece tokenizer (the other mode needs protobuf)."""
     import sentencepiece as spm
+
     from ckpt import add_sentencepiece
     path = tmp_path / "spm"
     os.makedirs(path)
@@ -288,6 +291,7 @@ def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
     """`generate.py --chat --system S --prompt Q` on an instruct-style checkpoint feeds exactly the ids transformers'
     apply_chat_template(..., add_generation_prompt=True) builds, and batch lines may carry "messages"."""
     import shutil
+
     import cli
     ckpt = tmp_path / "instruct"
     shutil.copytree(checkpoint(vocab_size=384), ckpt)

@@ -16,9 +16,11 @@ import disk
 import generate
 import verify
 from model import Transformer
-from offload import DISK, OffloadConfig, TieredStore
+from offload import OffloadConfig, TieredStore
+from pools import DISK
 from task import run_task
-from test_batch import DISK as DISK_FLAGS, TOPICS, batch_args, by_id, results, run_main, write_tasks
+from test_batch import DISK as DISK_FLAGS
+from test_batch import TOPICS, batch_args, by_id, results, run_main, write_tasks
 
 C = 16
 TASKS = [{"id": f"t{i}", "prompt": TOPICS[topic][:60 + 45 * i], "max_new_tokens": 12, "temperature": 0.8, "seed": i}

@@ -11,7 +11,8 @@ import torch
 
 from kvcache import Int8Layout, PlainLayout, chunk_layout, kv_bytes_per_token
 from model import ModelArgs, Transformer
-from offload import OffloadConfig, alloc_chunks
+from offload import OffloadConfig
+from pools import alloc_chunks
 from task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
@@ -73,7 +74,7 @@ def test_int8_chunk_is_about_half_of_bf16():
     assert bf16 == 2 * G * C * D * 2 and int8 == 2 * G * C * (D + 4)
     assert 0.5 < int8 / bf16 < 0.52                                   # 132 / 256
     args = ModelArgs(n_layers=32, n_kv_heads=G, head_dim=D)             # Llama-3-8B's KV: 128 KiB/token in bf16
-    assert kv_bytes_per_token(args, torch.bfloat16) == args.kv_bytes_per_token(torch.bfloat16) == 128 * 1024
+    assert kv_bytes_per_token(args, torch.bfloat16) == 2 * 32 * G * D * 2 == 128 * 1024
     assert kv_bytes_per_token(args, torch.bfloat16, "int8") == 32 * 2 * G * (D + 4)
     with pytest.raises(ValueError, match="--kv-dtype"):
         chunk_layout("int4", torch.float32)
@@ -170,6 +171,7 @@ def test_probe_calibrates_and_counts_int8_chunks(llama):
 def test_probe_predicts_int8_bytes_on_a_slow_link():
     """With a link so slow that transfers are all a step costs, the prediction scales with the chunk's bytes."""
     import argparse
+
     import probe
     margs = ModelArgs(n_layers=4, n_kv_heads=2, head_dim=64)
     cal = {"zstd": None, "link_gbps": {"h2d_pinned": 1e-3, "host_memcpy": 10.0}, "worker_handoff_s": 0.0,

@@ -359,6 +359,7 @@ def test_other_weights_with_the_same_shapes_reuse_nothing(llama_ckpt, tmp_path):
 
 def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, capsys):
     import json
+
     import cli
     doc = " ".join(["The with statement wraps a block with methods defined by a context manager."] * 6)
     common = ["--ckpt", text_ckpt, "--chunk-size", 16, "--kv-store", tmp_path / "s", "--max-new-tokens", 4]

@@ -13,10 +13,11 @@ import torch
 
 import kvcache
 import task
+from checkpoint import CheckpointError
 from ckpt import build_checkpoint, edit_config
 from generate import Sampling
-from kvcache import PlainLayout, KVCache, first_visible_chunk
-from model import CheckpointError, Transformer
+from kvcache import KVCache, PlainLayout, first_visible_chunk
+from model import Transformer
 from offload import OffloadConfig, TieredStore
 from rope import context_refusal, rope_inv_freq, rope_override_note
 

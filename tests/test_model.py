@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoint import CheckpointError
 from ckpt import edit_config
-from model import CheckpointError, Transformer, rope_inv_freq
+from model import Transformer, rope_inv_freq
 
 ATOL = 1e-4       # max abs logit difference allowed against transformers, everything in fp32
 N_NEW = 16        # greedy tokens that must agree

@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
+from disk import ALIGN, round_up
 from generate import Sampling
-from task import run_task
 from model import Transformer
-from offload import ALIGN, OffloadConfig, round_up
+from offload import OffloadConfig
+from task import run_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = [("cpu", "none"), ("disk", "none"), ("disk", "zstd")]

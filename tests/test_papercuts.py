@@ -55,6 +55,7 @@ def test_offload_that_never_takes_effect_is_said_once(text_ckpt, tmp_path, capsy
 
 def test_max_new_tokens_cut_to_the_context_warns(text_ckpt, tmp_path, capsys):
     import shutil
+
     from ckpt import edit_config
     short = tmp_path / "short"
     shutil.copytree(text_ckpt, short)

@@ -14,7 +14,15 @@ import torch.nn as nn
 import model as model_module
 from model import Transformer
 from offload import OffloadConfig
-from quantize import _KERNEL, KERNEL_MAX_ROWS, Int8Linear, dequantize, int8_matmul, quantize_weight, weight_bytes
+from quantize import (
+    _KERNEL,
+    KERNEL_MAX_ROWS,
+    Int8Linear,
+    dequantize,
+    int8_matmul,
+    quantize_weight,
+    weight_bytes,
+)
 from task import run_task
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

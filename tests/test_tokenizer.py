@@ -63,7 +63,8 @@ def test_sentencepiece_eos_from_generation_config(spm_dir, tmp_path):
 
 def build_tokenizer_json(path, bos):
     """Byte-level BPE trained in memory; with bos=True a post-processor prepends <|begin|> as Llama 3's does."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -15,7 +15,16 @@ from safetensors.torch import load_file
 import tp_worker as W
 from model import ModelArgs, Transformer
 from offload import OffloadConfig
-from tp import LLAMA_70B, Layout, Shard, TPError, init_distributed, load_sharded, per_rank_bytes, split_tasks
+from tp import (
+    LLAMA_70B,
+    Layout,
+    Shard,
+    TPError,
+    init_distributed,
+    load_sharded,
+    per_rank_bytes,
+    split_tasks,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATOL = 1e-5

@@ -18,8 +18,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 import generate as gen  # noqa: E402
 from disk import ALIGN, round_up  # noqa: E402
-from offload import OffloadConfig  # noqa: E402
 from kvcache import make_cache  # noqa: E402
+from offload import OffloadConfig  # noqa: E402
 from task import run_task  # noqa: E402
 from tp import agree_min, gather_stats, init_distributed, load_sharded, per_rank_bytes, split_tasks  # noqa: E402
 

@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import build_random_checkpoint  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from quantize import weight_bytes  # noqa: E402
+from random_model import build_random_checkpoint  # noqa: E402
 from task import run_task  # noqa: E402
 
 SMOLLM2_135M = dict(dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, hidden=1536, vocab=49152)

@@ -17,9 +17,9 @@ compare settings with each other, they do not say how good the model is.
 import argparse
 import math
 import os
+import pydoc_data.topics
 import sys
 
-import pydoc_data.topics
 import torch
 import torch.nn.functional as F
 

@@ -25,8 +25,8 @@ def main():
         build_checkpoint(sys.argv[2], **SHAPE)
         return
     from generate import decode_one_token, prefill
-    from offload import OffloadConfig
     from kvcache import make_cache
+    from offload import OffloadConfig
     from tp import agree_min, init_distributed, load_sharded
     torch.set_num_threads(1)
     layout = init_distributed()
