@@ -163,7 +163,7 @@ def merge(state, o, lse):
         return o, lse
     o0, lse0 = state
     total = torch.logaddexp(lse0, lse)                             # [B, G, R*T, 1]
-    # in place: o0 and o are ours
+    # in place: o0, o are ours
     return o0.mul_(torch.exp(lse0 - total)).add_(o.mul_(torch.exp(lse - total))), total
 
 
@@ -382,7 +382,8 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     model_args = model.args
     emb = model.tok_embeddings.weight
     layout = chunk_layout(kv_dtype, emb.dtype)
-    G = model.layers[0].attention.n_local_kv_heads  # this rank's kv heads (all of them without TP)
+    # this rank's kv heads (all of them without tensor parallel)
+    G = model.layers[0].attention.n_local_kv_heads
     store = TieredStore(shape=layout.shape(1, G, chunk_size, model_args.head_dim),
                         dtype=layout.dtype, n_layers=model_args.n_layers, max_length=max_length,
                         device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,

@@ -300,23 +300,23 @@ class Transformer(nn.Module):
         cache, tokens continue at position cache.length."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        windows = self.args.layer_windows
-        if cache is not None and self.args.sliding_window and cache.windows != windows:
+        if (cache is not None and self.args.sliding_window
+                and cache.windows != self.args.layer_windows):
             raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers "
-                             f"slide with {windows}; build the cache with "
+                             f"slide with {self.args.layer_windows}; build the cache with "
                              "kvcache.make_cache(model, ...)")
         pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)            # [T, D/2], fp32 as in transformers
-        emb = torch.cat((freqs, freqs), dim=-1)            # [T, D]
-        x = self.tok_embeddings(tokens)                    # [B, T, E]
-        a = self.attention_factor                          # YaRN's scale (else 1.0), in fp32
-        cos = (emb.cos() * a).to(x.dtype)                  # [T, D]
-        sin = (emb.sin() * a).to(x.dtype)                  # [T, D]
+        freqs = torch.outer(pos, self.inv_freq)   # [T, D/2], fp32 as in transformers
+        emb = torch.cat((freqs, freqs), dim=-1)   # [T, D]
+        x = self.tok_embeddings(tokens)           # [B, T, E]
+        a = self.attention_factor                 # YaRN's scale (else 1.0), in fp32 as transformers
+        cos = (emb.cos() * a).to(x.dtype)         # [T, D]
+        sin = (emb.sin() * a).to(x.dtype)         # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
         if last_only:
-            x = x[:, -1:]                                  # [B, 1, E]
-        return self.output(self.norm(x)).float()           # [B, T, V], fp32 for sampling
+            x = x[:, -1:]                         # [B, 1, E]
+        return self.output(self.norm(x)).float()  # [B, T, V], fp32 for sampling
 
     @classmethod
     def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None,
@@ -331,7 +331,7 @@ class Transformer(nn.Module):
             model_args = model_args.with_rope_override(*rope_override)
         with torch.device("meta"):
             model = cls(model_args)
-        # what the checkpoint must hold, and the shapes
+        # what the checkpoint must hold, and shapes
         params = dict(model.named_parameters(remove_duplicate=False))
         # Int8Linear (still on meta) in place of nn.Linear; no-op for None
         quantize_linears(model, quantize)
