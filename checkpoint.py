@@ -1,6 +1,7 @@
 """
-The files of a Hugging Face checkpoint: config.json and the other JSON files, and the safetensors weights, read one
-tensor at a time. Every problem is a CheckpointError naming the file and what to do.
+The files of a Hugging Face checkpoint: config.json and the other JSON files, and the safetensors
+weights, read one tensor at a time. Every problem is a CheckpointError naming the file and what to
+do.
 """
 import json
 import os
@@ -18,14 +19,19 @@ def read_json(path):
             obj = json.load(f)
     except FileNotFoundError:
         ckpt_dir = os.path.dirname(path) or "."
-        gguf = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".gguf")) if os.path.isdir(ckpt_dir) else []
-        if gguf and os.path.basename(path) == "config.json":  # a llama.cpp download: say how to get safetensors
+        gguf = []
+        if os.path.isdir(ckpt_dir):
+            gguf = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".gguf"))
+        if gguf and os.path.basename(path) == "config.json":
+            # a llama.cpp download: say how to get safetensors
             raise CheckpointError(
-                f"{ckpt_dir} holds {gguf[0]}, a llama.cpp file; this project loads Hugging Face safetensors "
-                "checkpoints: download the original model, or convert it with transformers "
-                f"(pip install gguf; AutoModelForCausalLM.from_pretrained(\"{ckpt_dir}\", gguf_file=\"{gguf[0]}\")"
-                ".save_pretrained(OUT), and the same for AutoTokenizer)") from None
-        raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model directory") from None
+                f"{ckpt_dir} holds {gguf[0]}, a llama.cpp file; this project loads Hugging Face "
+                "safetensors checkpoints: download the original model, or convert it with "
+                "transformers (pip install gguf; AutoModelForCausalLM.from_pretrained("
+                f"\"{ckpt_dir}\", gguf_file=\"{gguf[0]}\").save_pretrained(OUT), and the same for "
+                "AutoTokenizer)") from None
+        raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model "
+                              "directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
@@ -34,7 +40,8 @@ def read_json(path):
 
 
 def checkpoint_files(ckpt_dir):
-    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index names."""
+    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index
+    names."""
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
@@ -45,7 +52,8 @@ def checkpoint_files(ckpt_dir):
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json "
-                              "(only safetensors checkpoints are loaded; convert .bin files with transformers first)")
+                              "(only safetensors checkpoints are loaded; convert .bin files with "
+                              "transformers first)")
     paths = [os.path.join(ckpt_dir, f) for f in files]
     for p in paths:
         if not os.path.exists(p):
@@ -54,7 +62,8 @@ def checkpoint_files(ckpt_dir):
 
 
 def iter_checkpoint(ckpt_dir):
-    """Yield (name, tensor, file) one tensor at a time, so only one tensor is held beyond the model."""
+    """Yield (name, tensor, file) one tensor at a time, so only one tensor is held beyond the
+    model."""
     for path in checkpoint_files(ckpt_dir):
         try:
             with safe_open(path, framework="pt") as f:
@@ -62,5 +71,7 @@ def iter_checkpoint(ckpt_dir):
                     yield name, f.get_tensor(name), path
         except CheckpointError:
             raise
-        except Exception as e:  # safetensors reports truncation and corruption with its own error types
-            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupt") from None
+        except Exception as e:
+            # safetensors reports truncation and corruption with its own error types
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is "
+                                  "truncated or corrupt") from None

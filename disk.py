@@ -1,9 +1,11 @@
 """
-The disk tier: np.memmap files (or zstd blobs) in one directory per task, and the careful I/O around them.
+The disk tier: np.memmap files (or zstd blobs) in one directory per task, and the careful I/O around
+them.
 
-On CPU a raw chunk is read in place: `view()` is a zero-copy tensor over the mapped file, so its pages belong
-to the page cache (RssFile, which the OS may evict), not to the process (RssAnon). On CUDA the store copies
-chunks through pinned bounce buffers with `read_into()` (one pread) and `write()`.
+On CPU a raw chunk is read in place: `view()` is a zero-copy tensor over the mapped file, so its
+pages belong to the page cache (RssFile, which the OS may evict), not to the process (RssAnon). On
+CUDA the store copies chunks through pinned bounce buffers with `read_into()` (one pread) and
+`write()`.
 """
 import errno
 import os
@@ -13,7 +15,8 @@ import zlib
 import numpy as np
 import torch
 
-ALIGN = 4096  # every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
+# every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
+ALIGN = 4096
 
 
 def round_up(n, a):
@@ -21,75 +24,97 @@ def round_up(n, a):
 
 
 class DiskTier:
-    """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes, its space reserved up front so that a
-    full disk is an error at the start, never a SIGBUS in the middle of a run. zstd: blobs appended to a file, the
-    byte planes of each element split first (KV compresses better that way), with an index (offset, length).
-    Every write returns a CRC32 of what it stored, so a manifest can vouch for the chunk after a crash."""
+    """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes, its space reserved
+    up front so that a full disk is an error at the start, never a SIGBUS in the middle of a run.
+    zstd: blobs appended to a file, the byte planes of each element split first (KV compresses
+    better that way), with an index (offset, length). Every write returns a CRC32 of what it
+    stored, so a manifest can vouch for the chunk after a crash."""
 
     def __init__(self, path, n_layers, n_chunks, shape, dtype, compress, restore=None):
-        self.path, self.shape, self.dtype, self.compress = path, shape, dtype, compress
+        self.path = path
+        self.shape = shape
+        self.dtype = dtype
+        self.compress = compress
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.chunk_bytes = int(np.prod(shape)) * self.itemsize
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.index = {}  # zstd: (layer, j) -> (offset, length)
         self.views = {}  # raw: (layer, j) -> tensor over the mapping
-        flags = os.O_RDWR | os.O_CREAT | (0 if restore is not None else os.O_TRUNC)  # resuming raw passes {}
+        flags = os.O_RDWR | os.O_CREAT
+        if restore is None:  # resuming raw passes {}
+            flags |= os.O_TRUNC
         try:
             if compress == "zstd":
                 import zstandard
-                self.zc, self.zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
-                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), flags, 0o600) for l in range(n_layers)]
+                self.zc = zstandard.ZstdCompressor(level=1)
+                self.zd = zstandard.ZstdDecompressor()
+                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), flags, 0o600)
+                            for l in range(n_layers)]
                 for (l, j), (off, n) in (restore or {}).items():
                     self.index[(l, j)] = (off, n)
-                self.ends = [max([o + n for (l2, _), (o, n) in self.index.items() if l2 == l], default=0)
-                             for l in range(n_layers)]
+                self.ends = []  # per layer: the end of its last blob
+                for l in range(n_layers):
+                    ends = [o + n for (l2, _), (o, n) in self.index.items() if l2 == l]
+                    self.ends.append(max(ends, default=0))
             else:
                 self.maps, self.fds = [], []
                 for l in range(n_layers):
                     f = os.path.join(path, f"layer{l}.kv")
+                    size = n_chunks * self.slot_bytes
                     self.fds.append(os.open(f, flags, 0o600))
-                    reserve(self.fds[-1], n_chunks * self.slot_bytes)
-                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(n_chunks * self.slot_bytes,)))
+                    reserve(self.fds[-1], size)
+                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,)))
         except OSError as e:
             for fd in getattr(self, "fds", []):
                 os.close(fd)
-            raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} ({e.strerror or e})") from None
+            raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} "
+                                     f"({e.strerror or e})") from None
 
     def view(self, layer, j):
-        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file (made once, then reused: slicing
-        an np.memmap costs more than attending a small chunk)."""
+        """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file (made once, then
+        reused: slicing an np.memmap costs more than attending a small chunk)."""
         if (layer, j) not in self.views:
             start = j * self.slot_bytes
             mapped = self.maps[layer][start:start + self.chunk_bytes]
+            # [chunk_bytes] uint8 -> a chunk of `shape`
             self.views[(layer, j)] = torch.from_numpy(mapped).view(self.dtype).view(self.shape)
         return self.views[(layer, j)]
 
     def advise(self, layer, first, last):
-        """Raw tier: ask the OS to read chunks first..last into the page cache now (a no-op for pages there).
-        posix_fadvise, not madvise on the mapping: the kernel does the same read-ahead, but Python releases the GIL
-        around it, so the reader thread no longer holds up the decode loop (~4% of a step at 6K tokens)."""
-        os.posix_fadvise(self.fds[layer], first * self.slot_bytes, (last + 1 - first) * self.slot_bytes,
-                         os.POSIX_FADV_WILLNEED)
+        """Raw tier: ask the OS to read chunks first..last into the page cache now (a no-op for
+        pages there). posix_fadvise, not madvise on the mapping: the kernel does the same
+        read-ahead, but Python releases the GIL around it, so the reader thread no longer holds up
+        the decode loop (~4% of a step at 6K tokens)."""
+        start = first * self.slot_bytes
+        length = (last + 1 - first) * self.slot_bytes
+        os.posix_fadvise(self.fds[layer], start, length, os.POSIX_FADV_WILLNEED)
 
     def write(self, layer, j, src):
-        """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored bytes)."""
-        if self.compress != "zstd":  # numpy, not torch, copies on the worker thread: a torch copy here would start
-            dst = as_bytes(self.view(layer, j))  # a second OpenMP team that slows every op of the main thread
+        """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored
+        bytes)."""
+        if self.compress != "zstd":
+            # numpy, not torch, copies on the worker thread: a torch copy here would start a second
+            # OpenMP team that slows every op of the main thread
+            dst = as_bytes(self.view(layer, j))
             dst[:] = as_bytes(src)
             return self.chunk_bytes, zlib.crc32(dst)
         blob = self.zc.compress(split_planes(as_bytes(src), self.itemsize))
         off = self.ends[layer]
         done = 0
-        while done < len(blob):  # pwrite may write less (a file-size limit): the next call then says why
+        # pwrite may write less (a file-size limit): the next call then says why
+        while done < len(blob):
             done += retry(lambda: os.pwrite(self.fds[layer], memoryview(blob)[done:], off + done))
         self.ends[layer] += len(blob)
         self.index[(layer, j)] = (off, len(blob))
         return len(blob), zlib.crc32(blob)
 
     def read_into(self, layer, j, dst):
-        """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read from the file."""
-        if self.compress != "zstd":  # one pread into dst (a pinned bounce on CUDA): the kernel reads ahead, where
-            buf = as_bytes(dst)        # copying through the mapping would fault the pages in 4 KiB at a time
+        """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read
+        from the file."""
+        if self.compress != "zstd":
+            # one pread into dst (a pinned bounce on CUDA): the kernel reads ahead, where copying
+            # through the mapping would fault the pages in 4 KiB at a time
+            buf = as_bytes(dst)
             n = retry(lambda: os.preadv(self.fds[layer], [buf], j * self.slot_bytes))
             if n != self.chunk_bytes:
                 raise OSError(errno.EIO, f"{self.path}/layer{layer}.kv: short read of chunk {j}")
@@ -121,11 +146,14 @@ class DiskTier:
     def close(self):
         for fd in getattr(self, "fds", []):
             os.close(fd)
-        self.fds, self.maps, self.views = [], [], {}
+        self.fds = []
+        self.maps = []
+        self.views = {}
 
 
 class DiskError(OSError):
-    """The disk tier cannot be created or written; errno tells why (DISK_FULL lists the ones a fallback can cure)."""
+    """The disk tier cannot be created or written; errno tells why (DISK_FULL lists the ones a
+    fallback can cure)."""
 
 
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM)
@@ -133,7 +161,8 @@ TRANSIENT = (errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY)
 
 
 def retry(op, attempts=4, delay=0.05):
-    """Retry an I/O call on errors that may pass (EIO, EAGAIN, EINTR, EBUSY), backing off 4x each time."""
+    """Retry an I/O call on errors that may pass (EIO, EAGAIN, EINTR, EBUSY), backing off 4x each
+    time."""
     for i in range(attempts):
         try:
             return op()
@@ -146,7 +175,8 @@ def retry(op, attempts=4, delay=0.05):
 
 
 def reserve(fd, nbytes):
-    """Allocate the file's blocks now (posix_fallocate); fall back to a sparse file where the FS cannot."""
+    """Allocate the file's blocks now (posix_fallocate); fall back to a sparse file where the FS
+    cannot."""
     if os.fstat(fd).st_size >= nbytes:
         return
     try:
@@ -158,13 +188,15 @@ def reserve(fd, nbytes):
 
 
 def split_planes(b, itemsize):
-    """Flat element bytes -> [itemsize, n] contiguous: every element's byte 0, then every byte 1, ... KV compresses
-    better that way (the high bytes of nearby values repeat, the low bytes are close to noise)."""
+    """Flat element bytes -> [itemsize, n] contiguous: every element's byte 0, then every
+    byte 1, ... KV compresses better that way (the high bytes of nearby values repeat, the low
+    bytes are close to noise)."""
     return np.ascontiguousarray(b.reshape(-1, itemsize).T)
 
 
 def join_planes(planes, itemsize, dst):
-    """Undo split_planes: planes (bytes-like, [itemsize, n]) -> the flat uint8 array dst, in place."""
+    """Undo split_planes: planes (bytes-like, [itemsize, n]) -> the flat uint8 array dst, in
+    place."""
     dst.reshape(-1, itemsize)[:] = np.frombuffer(planes, np.uint8).reshape(itemsize, -1).T
 
 

@@ -1,11 +1,13 @@
-"""
-Long-context generation with an offloaded KV cache: chunked prefill, then decoding, greedy or sampled.
+r"""
+Long-context generation with an offloaded KV cache: chunked prefill, then decoding, greedy or
+sampled.
 
-    python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 --chunk-size 512 --window 4 --offload disk
+    python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 --chunk-size 512 \
+        --window 4 --offload disk
 
-The loop is four free functions, each small enough to time, replace or compile on its own: forward (one cached
-step), prefill (the prompt, a chunk at a time), decode_one_token, generate. The command line lives one layer up,
-in cli.py (flags, checks, batch mode); running this file runs it.
+The loop is four free functions, each small enough to time, replace or compile on its own: forward
+(one cached step), prefill (the prompt, a chunk at a time), decode_one_token, generate. The command
+line lives one layer up, in cli.py (flags, checks, batch mode); running this file runs it.
 """
 import ctypes
 import ctypes.util
@@ -23,20 +25,26 @@ _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only; elsewhere trim
 
 @torch.inference_mode()
 def forward(model, cache, tokens):
-    """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last position."""
-    cache.begin(tokens.shape[1])                    # bookkeeping: the step fits in the open chunk
-    cache.store.prefetch(cache.n_sealed, cache.first_visible())  # data: offloaded chunks this step reads move in
-    logits = model(tokens, cache, last_only=True)   # each layer: write k, v into the open chunk, attend over all chunks
-    if cache.commit():                              # the open chunk is full:
-        cache.store.seal(cache.n_sealed - 1)        # data: it joins the window, the oldest window chunk is offloaded
+    """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last
+    position."""
+    # bookkeeping: the step fits in the open chunk
+    cache.begin(tokens.shape[1])
+    # data: offloaded chunks this step reads move in
+    cache.store.prefetch(cache.n_sealed, cache.first_visible())
+    # each layer: write k, v into the open chunk, attend over all chunks
+    logits = model(tokens, cache, last_only=True)
+    if cache.commit():  # the open chunk is full:
+        # data: it joins the window, the oldest window chunk is offloaded
+        cache.store.seal(cache.n_sealed - 1)
     return logits[:, -1]
 
 
 def prefill(model, cache, ids, on_step=None):
-    """Feed ids [B, T] at most chunk_size tokens at a time, aligned to chunk boundaries, so the activations of
-    a long prompt never exist at once. Returns the logits [B, V] of the last position. on_step(phase, logits,
-    cache) runs after every step, here and in generate()."""
-    t, C = 0, cache.chunk_size
+    """Feed ids [B, T] at most chunk_size tokens at a time, aligned to chunk boundaries, so the
+    activations of a long prompt never exist at once. Returns the logits [B, V] of the last
+    position. on_step(phase, logits, cache) runs after every step, here and in generate()."""
+    t = 0
+    C = cache.chunk_size
     while t < ids.shape[1]:
         n = min(C - cache.length % C, ids.shape[1] - t)
         logits = forward(model, cache, ids[:, t:t + n])
@@ -48,9 +56,10 @@ def prefill(model, cache, ids, on_step=None):
 
 
 def trim_heap():
-    """Give the heap's free pages back to the OS (glibc's malloc_trim). A prefill step frees a chunk's activations,
-    tens of MiB that glibc keeps (its mmap threshold rises with every large free), so the process would hold a
-    varying heap high-water mark on top of what it uses; once per prefill chunk it costs well under 1% of the step."""
+    """Give the heap's free pages back to the OS (glibc's malloc_trim). A prefill step frees a
+    chunk's activations, tens of MiB that glibc keeps (its mmap threshold rises with every large
+    free), so the process would hold a varying heap high-water mark on top of what it uses; once per
+    prefill chunk it costs well under 1% of the step."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
@@ -65,7 +74,8 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0            # 0 = no top-k cut
     top_p: float = 1.0        # 1 = no nucleus cut
-    seed: int = 0             # each step draws from its own generator seeded by (seed, position): reproducible
+    # each step draws from its own generator seeded by (seed, position): reproducible
+    seed: int = 0
 
 
 def sample(logits, s, position):
@@ -79,25 +89,28 @@ def sample(logits, s, position):
     probs = torch.softmax(logits, dim=-1)
     if s.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p   # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p
+        drop = sorted_p.cumsum(-1) - sorted_p > s.top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
     g = torch.Generator().manual_seed(s.seed * 1_000_003 + position)
     return torch.multinomial(probs, 1, generator=g)  # [B, 1] on the CPU; the caller moves it
 
 
-def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(), on_token=None, on_step=None,
-             replay=(), share=None):
+def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(),
+             on_token=None, on_step=None, replay=(), share=None):
     """prompt_ids [1, P] -> list of new token ids. Stops at an EOS id or after max_new_tokens.
 
-    Resuming: the cache may already hold positions [0, cache.length) restored from disk, and `replay` the tokens
-    generated before the interruption. Positions past the restored ones are recomputed with the first run's
-    schedule (prompt positions a chunk at a time, generated ones one at a time), so the output is bit-identical."""
+    Resuming: the cache may already hold positions [0, cache.length) restored from disk, and
+    `replay` the tokens generated before the interruption. Positions past the restored ones are
+    recomputed with the first run's schedule (prompt positions a chunk at a time, generated ones one
+    at a time), so the output is bit-identical."""
     P = prompt_ids.shape[1]
     out = list(replay)
     logits = None
     if cache.length < P:
         logits = prefill(model, cache, prompt_ids[:, cache.length:], on_step)
-    for pos in range(max(cache.length, P), P + len(out)):                 # replay the generated tokens not restored
+    # replay the generated tokens not restored
+    for pos in range(max(cache.length, P), P + len(out)):
         logits = decode_one_token(model, cache, prompt_ids.new_tensor([[out[pos - P]]]))
     while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
@@ -114,6 +127,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
     return out
 
 
-if __name__ == "__main__":  # the command line is one layer up; this file stays importable on its own
+# the command line is one layer up; this file stays importable on its own
+if __name__ == "__main__":
     import cli
     sys.exit(cli.main())

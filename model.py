@@ -1,14 +1,15 @@
 """
-A Llama / Mistral / Qwen2 decoder written from scratch, loading Hugging Face safetensors checkpoints.
+A Llama / Mistral / Qwen2 decoder from scratch, loading Hugging Face safetensors checkpoints.
 
 Shape legend, used the same way in every file of this project:
     B batch, T positions in this call, S all positions so far, H query heads, G kv heads,
     R = H // G query heads per kv head, D head dim, E model dim, F mlp dim, V vocab, C chunk size.
 
-`model(tokens)` runs plain causal attention (masked to each layer's sliding window, if it has one): the reference
-every cached and offloaded path is checked against. `model(tokens, cache)` hands each layer's q, k, v to the cache
-(kvcache.py), which stores k, v and returns the attention output; the model itself knows nothing of chunks, tiers
-or transfers. RoPE frequencies (plain, linear, llama3, YaRN) and stretching them past the trained context: rope.py.
+`model(tokens)` runs plain causal attention (masked to each layer's sliding window, if it has one):
+the reference every cached and offloaded path is checked against. `model(tokens, cache)` hands each
+layer's q, k, v to the cache (kvcache.py), which stores k, v and returns the attention output; the
+model itself knows nothing of chunks, tiers or transfers. RoPE frequencies (plain, linear, llama3,
+YaRN) and stretching them past the trained context: rope.py.
 """
 import dataclasses
 import os
@@ -24,7 +25,8 @@ from checkpoint import CheckpointError, iter_checkpoint, read_json
 from quantize import Int8Linear, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
 
 
 # -----------------------------------------------------------------------------
@@ -43,13 +45,15 @@ class ModelArgs:
     norm_eps: float = 1e-6             # rms_norm_eps
     max_seq_len: int = 2048            # max_position_embeddings
     rope_theta: float = 10000.0        # RoPE base
-    rope_scaling: dict = field(default_factory=dict)  # {} or {"rope_type": "linear"|"llama3"|"yarn", "factor": ...}
+    # {} or {"rope_type": "linear"|"llama3"|"yarn", "factor": ...}
+    rope_scaling: dict = field(default_factory=dict)
     qkv_bias: bool = False             # Qwen2 (and Llama attention_bias) add biases to q, k, v
     o_bias: bool = False               # Llama attention_bias also biases o_proj
     mlp_bias: bool = False             # Llama mlp_bias
-    tie_embeddings: bool = False       # lm_head shares the embedding matrix (no lm_head.weight in the file)
-    sliding_window: Optional[int] = None  # W: a sliding layer's query sees the W latest positions, itself included
-    sliding_layers: Optional[tuple] = None  # indices of the layers that slide; None = all of them (Mistral)
+    tie_embeddings: bool = False       # lm_head shares the embedding matrix (no lm_head.weight)
+    # W: a sliding layer's query sees the W latest positions, itself included
+    sliding_window: Optional[int] = None
+    sliding_layers: Optional[tuple] = None  # indices of the sliding layers; None = all (Mistral)
     torch_dtype: str = "float32"       # the dtype the checkpoint was saved in
 
     @property
@@ -58,111 +62,133 @@ class ModelArgs:
 
     @property
     def layer_windows(self):  # per layer: W, or None for full attention
-        slides = lambda i: self.sliding_layers is None or i in self.sliding_layers
-        return tuple(self.sliding_window if self.sliding_window and slides(i) else None for i in range(self.n_layers))
+        def slides(i):
+            return self.sliding_layers is None or i in self.sliding_layers
+        W = self.sliding_window
+        return tuple(W if W and slides(i) else None for i in range(self.n_layers))
 
     @property
     def max_context(self):
-        """Longest context we run (transformers enforces none). YaRN: factor x original_max_position_embeddings as
-        vLLM derives it, or max_position_embeddings if longer (Qwen2.5 keeps the trained length there, DeepSeek-V3 the
-        stretched one). Linear and llama3 configs state the stretched length there already (LongChat, Llama 3.1)."""
+        """Longest context we run (transformers enforces none). YaRN: factor x
+        original_max_position_embeddings as vLLM derives it, or max_position_embeddings if longer
+        (Qwen2.5 keeps the trained length there, DeepSeek-V3 the stretched one). Linear and llama3
+        configs state the stretched length there already (LongChat, Llama 3.1)."""
         s = self.rope_scaling
         if s.get("rope_type") == "yarn":
             return max(self.max_seq_len, int(s["factor"] * s["original_max_position_embeddings"]))
         return self.max_seq_len
 
     def with_rope_override(self, kind, factor, orig_ctx=None):
-        """These args as if config.json carried a `kind` rope_scaling block (replacing its own) that stretches orig_ctx
-        positions (default: max_position_embeddings) by `factor`, and max_position_embeddings = factor x orig_ctx.
-        YaRN takes transformers' defaults, llama3 Llama 3.1's bands (see rope.override_block)."""
+        """These args as if config.json carried a `kind` rope_scaling block (replacing its own) that
+        stretches orig_ctx positions (default: max_position_embeddings) by `factor`, and
+        max_position_embeddings = factor x orig_ctx. YaRN takes transformers' defaults, llama3
+        Llama 3.1's bands (see rope.override_block)."""
         orig = self.max_seq_len if orig_ctx is None else orig_ctx
         block = override_block(kind, factor, orig)
         return dataclasses.replace(self, rope_scaling=block, max_seq_len=int(factor * orig))
 
     @classmethod
-    def from_config(cls, cfg, path="config.json"):
-        """Read a transformers config dict, 4.x style (rope_theta, rope_scaling, torch_dtype) or 5.x style
-        (rope_parameters, dtype). Anything we would compute differently from transformers is refused."""
+    def from_config(cls, hf_config, path="config.json"):
+        """Read a transformers config dict, 4.x style (rope_theta, rope_scaling, torch_dtype) or 5.x
+        style (rope_parameters, dtype). Anything we would compute differently from transformers is
+        refused."""
         def refuse(what):
-            raise CheckpointError(f"{path}: {what}; this project supports plain Llama, Mistral and Qwen2 models only")
-        archs = cfg.get("architectures") or []
+            raise CheckpointError(f"{path}: {what}; this project supports plain Llama, Mistral and "
+                                  "Qwen2 models only")
+        archs = hf_config.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        model_type = hf_config.get("model_type")
         if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(cfg.get("model_type"))
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
         if arch is None:
-            refuse(f"architectures={archs} / model_type={cfg.get('model_type')!r} is not one of {sorted(ARCHITECTURES)}")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+            refuse(f"architectures={archs} / model_type={model_type!r} is not one of "
+                   f"{sorted(ARCHITECTURES)}")
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "vocab_size")
+        for key in sizes:
+            if not isinstance(hf_config.get(key), int) or hf_config[key] <= 0:
                 raise CheckpointError(f"{path}: field '{key}' is missing or not a positive integer")
-        if cfg.get("hidden_act", "silu") != "silu":
-            refuse(f"hidden_act={cfg['hidden_act']!r} is not 'silu'")
+        if hf_config.get("hidden_act", "silu") != "silu":
+            refuse(f"hidden_act={hf_config['hidden_act']!r} is not 'silu'")
         for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-            if cfg.get(key):
-                refuse(f"{key}={cfg[key]} means a mixture of experts")
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            refuse(f"partial_rotary_factor={cfg['partial_rotary_factor']} is not 1.0")
+            if hf_config.get(key):
+                refuse(f"{key}={hf_config[key]} means a mixture of experts")
+        if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
+            refuse(f"partial_rotary_factor={hf_config['partial_rotary_factor']} is not 1.0")
         try:
-            theta, rope = rope_from_config(cfg)
+            theta, rope = rope_from_config(hf_config)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
-        window, sliding_layers = _sliding_window(cfg, arch, path)
-        n_heads = cfg["num_attention_heads"]
-        n_kv = cfg.get("num_key_value_heads") or n_heads
+        window, sliding_layers = _sliding_window(hf_config, arch, path)
+        n_heads = hf_config["num_attention_heads"]
+        n_kv = hf_config.get("num_key_value_heads") or n_heads
         if n_heads % n_kv:
-            raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        attention_bias = bool(cfg.get("attention_bias", False))
+            raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of "
+                                  f"num_key_value_heads={n_kv}")
+        head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
+        attention_bias = bool(hf_config.get("attention_bias", False))
+        dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         return cls(
-            arch=arch, dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=n_heads, n_kv_heads=n_kv,
-            head_dim=head_dim, hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6), max_seq_len=cfg.get("max_position_embeddings", 2048),
+            arch=arch, dim=hf_config["hidden_size"], n_layers=hf_config["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+            hidden_dim=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"],
+            norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+            max_seq_len=hf_config.get("max_position_embeddings", 2048),
             rope_theta=float(theta), rope_scaling=rope,
             qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)), tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            sliding_window=window, sliding_layers=sliding_layers,
-            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            sliding_window=window, sliding_layers=sliding_layers, torch_dtype=str(dtype),
         )
 
 
-def _sliding_window(cfg, arch, path):
-    """(W, sliding layer indices or None for all) as transformers 5.x applies a config: Mistral masks every layer
-    with sliding_window (null: none) and ignores layer_types; Qwen2 slides only with use_sliding_window, on the
-    layers layer_types marks "sliding_attention" or, without layer_types, on layers >= max_window_layers; Llama
-    has no sliding window."""
-    window, n_layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
-    layer_types = cfg.get("layer_types")
+def _sliding_window(hf_config, arch, path):
+    """(W, sliding layer indices or None for all) as transformers 5.x applies a config: Mistral
+    masks every layer with sliding_window (null: none) and ignores layer_types; Qwen2 slides only
+    with use_sliding_window, on the layers layer_types marks "sliding_attention" or, without
+    layer_types, on layers >= max_window_layers; Llama has no sliding window."""
+    window = hf_config.get("sliding_window")
+    n_layers = hf_config["num_hidden_layers"]
+    layer_types = hf_config.get("layer_types")
     if arch == "llama":
         if any(t != "full_attention" for t in layer_types or []):
-            raise CheckpointError(f"{path}: layer_types={sorted(set(layer_types))} has layers without full attention, "
-                                  "which a Llama model does not; use a Qwen2 or Mistral checkpoint for sliding windows")
+            raise CheckpointError(f"{path}: layer_types={sorted(set(layer_types))} has layers "
+                                  "without full attention, which a Llama model does not; use a "
+                                  "Qwen2 or Mistral checkpoint for sliding windows")
         return None, None
     sliding = None
     if arch == "qwen2":
-        window = window if cfg.get("use_sliding_window") else None
+        window = window if hf_config.get("use_sliding_window") else None
         if layer_types is not None:
-            if len(layer_types) != n_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
-                raise CheckpointError(f"{path}: layer_types must list 'full_attention' or 'sliding_attention' for each "
-                                      f"of the {n_layers} layers, not {layer_types}")
+            kinds = {"full_attention", "sliding_attention"}
+            if len(layer_types) != n_layers or set(layer_types) - kinds:
+                raise CheckpointError(f"{path}: layer_types must list 'full_attention' or "
+                                      f"'sliding_attention' for each of the {n_layers} layers, "
+                                      f"not {layer_types}")
             sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
             if sliding and window is None:  # transformers raises on the first forward call
-                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but use_sliding_window is "
-                                      "false or sliding_window is null; set both, or mark every layer full_attention")
+                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but "
+                                      "use_sliding_window is false or sliding_window is null; set "
+                                      "both, or mark every layer full_attention")
         else:
-            sliding = tuple(range(cfg.get("max_window_layers", 28), n_layers))
+            sliding = tuple(range(hf_config.get("max_window_layers", 28), n_layers))
         window = window if sliding else None
     if window is not None and (not isinstance(window, int) or window < 1):
-        raise CheckpointError(f"{path}: field 'sliding_window' must be a positive integer or null, not {window!r}")
+        raise CheckpointError(f"{path}: field 'sliding_window' must be a positive integer or null, "
+                              f"not {window!r}")
     return window, (sliding if window else None)
 
 
 def sliding_mask(T, window, device):
-    """[T, T] bool, True where query q may see key k: k <= q and q - k < window (transformers' sliding mask)."""
+    """[T, T] bool, True where query q may see key k: k <= q and q - k < window (transformers'
+    sliding mask)."""
     q, k = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None, :]
     return (k <= q) & (q - k < window)
 
 
 def apply_rope(x, cos, sin):
-    # x [B, heads, T, D]; cos, sin [T, D]. Rotate the two halves of D (the layout HF checkpoints are stored in).
+    # x [B, heads, T, D]; cos, sin [T, D]. Rotate the two halves of D (the layout HF checkpoints are
+    # stored in).
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -183,32 +209,41 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args):
+    def __init__(self, model_args):
         super().__init__()
-        self.args = args
-        H, G, D, E = args.n_heads, args.n_kv_heads, args.head_dim, args.dim
-        self.wq = nn.Linear(E, H * D, bias=args.qkv_bias)
-        self.wk = nn.Linear(E, G * D, bias=args.qkv_bias)
-        self.wv = nn.Linear(E, G * D, bias=args.qkv_bias)
-        self.wo = nn.Linear(H * D, E, bias=args.o_bias)
-        self.n_local_heads, self.n_local_kv_heads = H, G  # the heads this process holds; tp.py lowers them
-        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial wo output
+        self.args = model_args
+        H = model_args.n_heads
+        G = model_args.n_kv_heads
+        D = model_args.head_dim
+        E = model_args.dim
+        self.wq = nn.Linear(E, H * D, bias=model_args.qkv_bias)
+        self.wk = nn.Linear(E, G * D, bias=model_args.qkv_bias)
+        self.wv = nn.Linear(E, G * D, bias=model_args.qkv_bias)
+        self.wo = nn.Linear(H * D, E, bias=model_args.o_bias)
+        # the heads this process holds; tp.py lowers them
+        self.n_local_heads, self.n_local_kv_heads = H, G
+        # tensor parallel: tp.py sets the sum of every rank's partial wo output
+        self.all_reduce = None
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
-        H, G, D = self.n_local_heads, self.n_local_kv_heads, self.args.head_dim
+        H = self.n_local_heads
+        G = self.n_local_kv_heads
+        D = self.args.head_dim
         q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:  # the reference: every position attends to all earlier ones (in its window), nothing is kept
+        # the reference: every position attends to all earlier ones (in its window), nothing is kept
+        if cache is None:
             k = k.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
             v = v.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
             window = self.args.layer_windows[layer]
             if window is None or T <= window:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
             else:
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_mask(T, window, x.device))
+                mask = sliding_mask(T, window, x.device)  # [T, T]
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
         y = self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
@@ -216,12 +251,15 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args):
+    def __init__(self, model_args):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # gate_proj
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=args.mlp_bias)  # up_proj
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=args.mlp_bias)  # down_proj
-        self.all_reduce = None  # tensor parallel: tp.py sets the sum of every rank's partial w2 output
+        dim, hidden_dim = model_args.dim, model_args.hidden_dim  # E, F
+        bias = model_args.mlp_bias
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # gate_proj
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)  # up_proj
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down_proj
+        # tensor parallel: tp.py sets the sum of every rank's partial w2 output
+        self.all_reduce = None
 
     def forward(self, x):
         y = self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, E]
@@ -229,12 +267,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args):
+    def __init__(self, model_args):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(model_args.dim, model_args.norm_eps)
+        self.attention = Attention(model_args)
+        self.ffn_norm = RMSNorm(model_args.dim, model_args.norm_eps)
+        self.feed_forward = FeedForward(model_args)
 
     def forward(self, x, cos, sin, layer, cache=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, layer, cache)
@@ -242,72 +280,84 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args):
+    def __init__(self, model_args):
         super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
+        self.args = model_args
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        self.layers = nn.ModuleList(Block(model_args) for _ in range(model_args.n_layers))
+        self.norm = RMSNorm(model_args.dim, model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)  # [D/2] fp32
-        self.attention_factor = rope_attention_factor(args)
+        inv_freq = rope_inv_freq(model_args)  # [D/2] fp32
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_factor = rope_attention_factor(model_args)
         self.quantize = None  # "int8" when from_pretrained quantized the linears (quantize.py)
 
     def forward(self, tokens, cache=None, last_only=False):
-        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and the output
-        matrix over every position of a long prompt costs as much as attention). With a cache, tokens continue
-        at position cache.length."""
+        """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and
+        the output matrix over every position of a long prompt costs as much as attention). With a
+        cache, tokens continue at position cache.length."""
         B, T = tokens.shape
         start = 0 if cache is None else cache.length
-        if cache is not None and self.args.sliding_window and cache.windows != self.args.layer_windows:
-            raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers slide with "
-                             f"{self.args.layer_windows}; build the cache with kvcache.make_cache(model, ...)")
+        if (cache is not None and self.args.sliding_window
+                and cache.windows != self.args.layer_windows):
+            raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers "
+                             f"slide with {self.args.layer_windows}; build the cache with "
+                             "kvcache.make_cache(model, ...)")
         pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)                   # [T, D/2], fp32 as in transformers
-        emb = torch.cat((freqs, freqs), dim=-1)                   # [T, D]
-        x = self.tok_embeddings(tokens)                           # [B, T, E]
-        a = self.attention_factor                                 # YaRN's scale (else 1.0), in fp32 as transformers
-        cos, sin = (emb.cos() * a).to(x.dtype), (emb.sin() * a).to(x.dtype)  # [T, D]
+        freqs = torch.outer(pos, self.inv_freq)   # [T, D/2], fp32 as in transformers
+        emb = torch.cat((freqs, freqs), dim=-1)   # [T, D]
+        x = self.tok_embeddings(tokens)           # [B, T, E]
+        a = self.attention_factor                 # YaRN's scale (else 1.0), in fp32 as transformers
+        cos = (emb.cos() * a).to(x.dtype)         # [T, D]
+        sin = (emb.sin() * a).to(x.dtype)         # [T, D]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
         if last_only:
-            x = x[:, -1:]                                         # [B, 1, E]
-        return self.output(self.norm(x)).float()                  # [B, T, V], fp32 for sampling
+            x = x[:, -1:]                         # [B, 1, E]
+        return self.output(self.norm(x)).float()  # [B, T, V], fp32 for sampling
 
     @classmethod
-    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None, quantize=None):
-        """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the weights).
-        rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained context, see
-        ModelArgs.with_rope_override. quantize="int8": linear weights are quantized as they arrive (quantize.py),
-        one tensor at a time."""
-        args = ModelArgs.from_config(read_json(os.path.join(ckpt_dir, "config.json")), os.path.join(ckpt_dir, "config.json"))
+    def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None,
+                        quantize=None):
+        """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the
+        weights). rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained
+        context, see ModelArgs.with_rope_override. quantize="int8": linear weights are quantized as
+        they arrive (quantize.py), one tensor at a time."""
+        config_path = os.path.join(ckpt_dir, "config.json")
+        model_args = ModelArgs.from_config(read_json(config_path), config_path)
         if rope_override is not None:
-            args = args.with_rope_override(*rope_override)
+            model_args = model_args.with_rope_override(*rope_override)
         with torch.device("meta"):
-            model = cls(args)
-        params = dict(model.named_parameters(remove_duplicate=False))  # what the checkpoint must hold, and shapes
-        quantize_linears(model, quantize)  # Int8Linear (still on meta) in place of nn.Linear; no-op for None
-        model.quantize = quantize          # part of what the KV depends on: belongs in a run's fingerprint
+            model = cls(model_args)
+        # what the checkpoint must hold, and shapes
+        params = dict(model.named_parameters(remove_duplicate=False))
+        # Int8Linear (still on meta) in place of nn.Linear; no-op for None
+        quantize_linears(model, quantize)
+        model.quantize = quantize  # part of what the KV depends on: belongs in a run's fingerprint
+        tied = model_args.tie_embeddings
         loaded = set()
         for hf_name, tensor, path in iter_checkpoint(ckpt_dir):
-            name = expected(hf_name, tuple(tensor.shape), params, args, path)
+            name = expected(hf_name, tuple(tensor.shape), params, model_args, path)
             if name is None:
                 continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
             if isinstance(module, Int8Linear) and attr == "weight":
-                module.load_weight(tensor.to(device))  # the full-precision tensor is dropped right after
+                # the full-precision tensor is dropped right after
+                module.load_weight(tensor.to(device))
             else:
                 setattr(module, attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
-            if args.tie_embeddings and name == "tok_embeddings.weight" and isinstance(model.output, Int8Linear):
-                model.output.load_weight(tensor.to(device))  # tied: the output is an int8 copy of the embedding
+            if tied and name == "tok_embeddings.weight" and isinstance(model.output, Int8Linear):
+                # tied: the output is an int8 copy of the embedding
+                model.output.load_weight(tensor.to(device))
             loaded.add(name)
-        check_complete(params, loaded, args, ckpt_dir)
-        if args.tie_embeddings and not isinstance(model.output, Int8Linear):
-            model.output.weight = model.tok_embeddings.weight  # re-tie: the tie was made on the meta device
-        model.inv_freq = rope_inv_freq(args).to(device)
+        check_complete(params, loaded, model_args, ckpt_dir)
+        if tied and not isinstance(model.output, Int8Linear):
+            # re-tie: the tie was made on the meta device
+            model.output.weight = model.tok_embeddings.weight
+        model.inv_freq = rope_inv_freq(model_args).to(device)
         return model.eval()
 
 
@@ -315,7 +365,8 @@ class Transformer(nn.Module):
 # checkpoint files
 
 # Hugging Face module name -> ours, {} is the layer index; ".weight" / ".bias" follow unchanged.
-# The layouts agree (HF stores q/k for half-split RoPE, as apply_rope rotates), so nothing is transposed or permuted.
+# The layouts agree (HF stores q/k for half-split RoPE, as apply_rope rotates), so nothing is
+# transposed or permuted.
 WEIGHT_MAP = {
     "model.embed_tokens": "tok_embeddings",
     "model.norm": "norm",
@@ -334,39 +385,46 @@ _REVERSE_MAP = {v: k for k, v in WEIGHT_MAP.items()}
 
 
 def _translate(name, table):
-    """Map 'a.layers.3.b.weight' through a table keyed by 'a.layers.{}.b'; None if the table has no entry."""
+    """Map 'a.layers.3.b.weight' through a table keyed by 'a.layers.{}.b'; None if the table has no
+    entry."""
     module, _, kind = name.rpartition(".")
     idx = re.search(r"\.(\d+)\.", module)
     key = module.replace(idx.group(0), ".{}.", 1) if idx else module
-    return table[key].format(idx.group(1) if idx else "") + "." + kind if key in table else None
+    if key not in table:
+        return None
+    return table[key].format(idx.group(1) if idx else "") + "." + kind
 
 
-def expected(hf_name, shape, params, args, path):
-    """Our name for a checkpoint tensor, checked against the model the config builds (None: a tensor we skip)."""
-    name = hf_to_ours(hf_name, args)
+def expected(hf_name, shape, params, model_args, path):
+    """Our name for a checkpoint tensor, checked against the model the config builds (None: a
+    tensor we skip)."""
+    name = hf_to_ours(hf_name, model_args)
     if name is None:
         return None
     if name not in params:
-        raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a {args.arch} model with this config)")
+        raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a "
+                              f"{model_args.arch} model with this config)")
     if shape != tuple(params[name].shape):
         raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {shape}, config.json implies "
                               f"{tuple(params[name].shape)}")
     return name
 
 
-def check_complete(params, loaded, args, ckpt_dir):
-    missing = [n for n in params if n not in loaded and not (args.tie_embeddings and n == "output.weight")]
+def check_complete(params, loaded, model_args, ckpt_dir):
+    tied = model_args.tie_embeddings
+    missing = [n for n in params if n not in loaded and not (tied and n == "output.weight")]
     if missing:
-        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the checkpoint "
-                              f"({len(missing)} missing in all)")
+        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the "
+                              f"checkpoint ({len(missing)} missing in all)")
 
 
-def hf_to_ours(hf_name, args):
+def hf_to_ours(hf_name, model_args):
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None  # old checkpoints saved this buffer; we compute it
-    if hf_name == "lm_head.weight" and args.tie_embeddings:
-        return None  # tied: the embedding is the output matrix (some tied checkpoints still carry a copy)
-    return _translate(hf_name, WEIGHT_MAP) or hf_name  # an unknown name stays as is and is reported unexpected
+    if hf_name == "lm_head.weight" and model_args.tie_embeddings:
+        return None  # tied: the embedding is the output matrix (some tied checkpoints carry a copy)
+    # an unknown name stays as is and is reported unexpected
+    return _translate(hf_name, WEIGHT_MAP) or hf_name
 
 
 def ours_to_hf(name):

@@ -9,30 +9,33 @@ Where the bytes of the KV cache live, and how they move between the tiers.
     | staging slots    |<-----+------------------------+      |   an index (--compress zstd)  |
     +------------------+  prefetch (copy stream / reader thread) <------------------------------+
 
-A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D] tensor (K at [0], V at [1]).
-The store's verbs, in the order generate.forward calls them:
-    prefetch(n)   start of a step: queue every sealed chunk not on the device, in the order attention reads them
+A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D] tensor (K at [0],
+V at [1]). The store's verbs, in the order generate.forward calls them:
+    prefetch(n)   start of a step: queue every sealed chunk not on the device, in attention's order
     open_chunk(l) the device buffer that layer l writes this step's K and V into
     load(l, j)    chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
     release(l, j) attention is done with it; its staging slot may be refilled
-    seal(j)       chunk j is full on every layer: it joins the window; the oldest window chunk is offloaded
+    seal(j)       chunk j is full on every layer: it joins the window; the oldest is offloaded
     close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots filled ahead of
-attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread (disk writes, the syncs a
-manifest needs), apart so that a chunk boundary never delays the next prefetch.
+Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots
+filled ahead of attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread
+(disk writes, the syncs a manifest needs), apart so that a chunk boundary never delays the next
+prefetch.
 
-Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream corrupts KV
-silently, so every wait is marked in the code as "rule N":
+Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream
+corrupts KV silently, so every wait is marked in the code as "rule N":
     1. a device-to-host copy of a sealed chunk waits for the compute that wrote it;
     2. compute that reads a staged chunk waits for the copy that brought it;
     3. a staging slot is overwritten only after the compute that last read it has finished;
-    4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has finished, and refilled
-       only after the copy out of it has finished;
-    5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies using it finish.
-Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues behind the other.
-On CPU there are no streams ("device" and host are one memory): without zstd, host and raw disk chunks are read in
-place (a disk chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
-decompresses disk chunks (and copies host chunks) into staging slots ahead of attention.
+    4. a pinned host buffer is read (by the CPU or a copy) only after the copy into it has
+       finished, and refilled only after the copy out of it has finished;
+    5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies
+       using it finish.
+Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues
+behind the other. On CPU there are no streams ("device" and host are one memory): without zstd,
+host and raw disk chunks are read in place (a disk chunk is a view of the mapped file: page cache,
+not the process's memory); with zstd the reader decompresses disk chunks (and copies host chunks)
+into staging slots ahead of attention.
 """
 import os
 import queue
@@ -56,86 +59,105 @@ COMPRESSIONS = ("none", "zstd")
 
 @dataclass
 class OffloadConfig:
-    mode: str = "none"                   # none | cpu | disk: where sealed chunks beyond the window go
-    window: int = 4                      # W: most recent sealed chunks per layer kept on the device
-    cpu_budget_gib: Optional[float] = None  # host tier in front of the disk; None = all the task needs (cpu), 0 (disk)
+    mode: str = "none"         # none | cpu | disk: where sealed chunks beyond the window go
+    window: int = 4            # W: most recent sealed chunks per layer kept on the device
+    # host tier in front of the disk; None = all the task needs (cpu), 0 (disk)
+    cpu_budget_gib: Optional[float] = None
     offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/task_<id>/
-    compress: str = "none"               # none | zstd (lossless: output stays bit-identical)
-    staging_slots: int = 4               # chunks prefetched ahead of attention (device buffers on CUDA)
-    keep_files: bool = False             # keep the task's directory after success (it is always kept on failure)
+    compress: str = "none"     # none | zstd (lossless: output stays bit-identical)
+    staging_slots: int = 4     # chunks prefetched ahead of attention (device buffers on CUDA)
+    keep_files: bool = False   # keep the task's directory after success; always kept on failure
 
 
 # -----------------------------------------------------------------------------
 # the store
 
 class TieredStore:
-    """The chunks of one task (one sequence batch) across device, host and disk. Every keyword has one meaning:
-    shape/dtype of a chunk, n_layers, max_length (positions the task may reach), device, cfg (OffloadConfig);
-    disk_path (the task's directory), restore (a manifest's "chunks", to resume from) and on_durable(n, chunks),
-    called on the writer thread once chunks 0..n-1 of every layer are on disk and synced, with their checksums."""
+    """The chunks of one task (one sequence batch) across device, host and disk. Every keyword has
+    one meaning: shape/dtype of a chunk, n_layers, max_length (positions the task may reach),
+    device, cfg (OffloadConfig); disk_path (the task's directory), restore (a manifest's "chunks",
+    to resume from) and on_durable(n, chunks), called on the writer thread once chunks 0..n-1 of
+    every layer are on disk and synced, with their checksums."""
 
-    def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None, restore=None,
-                 on_durable=None):
+    def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None,
+                 restore=None, on_durable=None):
         C = shape[3]
         if cfg.mode not in MODES or cfg.compress not in COMPRESSIONS:
-            raise OffloadError(f"--offload must be one of {MODES} and --compress one of {COMPRESSIONS}")
+            raise OffloadError(f"--offload must be one of {MODES} and --compress one of "
+                               f"{COMPRESSIONS}")
         if cfg.compress == "zstd" and cfg.mode != "disk":
             raise OffloadError("--compress zstd applies to the disk tier only; add --offload disk")
         if C < 1 or cfg.window < 0 or cfg.staging_slots < 1:
             raise OffloadError("--chunk-size and staging slots must be >= 1 and --window >= 0")
-        self.shape, self.dtype, self.n_layers, self.max_length, self.cfg = shape, dtype, n_layers, max_length, cfg
-        self.chunk_size, self.device, self.cuda = C, torch.device(device), on_cuda(device)
+        self.shape = shape
+        self.dtype = dtype
+        self.n_layers = n_layers
+        self.max_length = max_length
+        self.cfg = cfg
+        self.chunk_size = C
+        self.device = torch.device(device)
+        self.cuda = on_cuda(device)
         self.chunk_bytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
-        self.n_chunks = -(-max_length // C)                                  # chunks per layer for max_length
+        self.n_chunks = -(-max_length // C)  # chunks per layer for max_length
         self.window = self.n_chunks if cfg.mode == "none" else cfg.window
         self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0,
-                      "window_skipped": 0}  # outside every query's sliding window: never read at all
+                      "window_skipped": 0}  # outside every query's sliding window: never read
         self.count_lock = threading.Lock()
 
         # the device tier: each layer's open chunk, the window, buffers given back by evictions
         self.open = [None] * n_layers
-        self.resident = {}                     # (layer, j) -> device chunk [2, B, G, C, D]
-        self.free = deque()                    # (device chunk, Fence): reusable once the fence has passed
-        self.loc = {}                          # (layer, j) -> Loc of every sealed chunk
+        self.resident = {}   # (layer, j) -> device chunk [2, B, G, C, D]
+        self.free = deque()  # (device chunk, Fence): reusable once the fence has passed
+        self.loc = {}        # (layer, j) -> Loc of every sealed chunk
         self.device_buffers, self.peak_device_bytes = 0, 0
 
-        # the host tier, sized to what the task can need (the last chunk is never sealed and evicted)
+        # the host tier, sized to what the task can need (the last chunk is never sealed or evicted)
         offloaded = 0 if cfg.mode == "none" else n_layers * max(0, self.n_chunks - 1 - self.window)
-        budget = cfg.cpu_budget_gib if cfg.cpu_budget_gib is not None else (None if cfg.mode == "cpu" else 0)
-        n_host = offloaded if budget is None else min(offloaded, int(budget * 2**30) // self.slot_bytes)
+        default_budget = None if cfg.mode == "cpu" else 0  # cpu: all the task needs; disk: none
+        budget = default_budget if cfg.cpu_budget_gib is None else cfg.cpu_budget_gib
+        n_host = offloaded
+        if budget is not None:
+            n_host = min(offloaded, int(budget * 2**30) // self.slot_bytes)
         if cfg.mode == "cpu" and n_host < offloaded:
-            raise OffloadError(f"--cpu-budget {budget} GiB holds {n_host} of the {offloaded} chunks this task "
-                               f"offloads ({offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, widen --window, "
-                               "or use --offload disk")
+            raise OffloadError(f"--cpu-budget {budget} GiB holds {n_host} of the {offloaded} "
+                               f"chunks this task offloads "
+                               f"({offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, widen "
+                               "--window, or use --offload disk")
         self.host = HostPool(n_host, shape, dtype, pin=self.cuda)
 
-        # the disk tier and its two threads: the reader (prefetch) and the writer (writes, then syncs)
-        self.disk, self.written, self.checksums = None, {}, {}  # written: (layer, j) -> future of its disk write
-        self.on_durable, self.disk_prefix, self.durable = on_durable, 0, None  # chunks < disk_prefix: on disk
+        # the disk tier and two threads: the reader (prefetch) and the writer (writes, then syncs)
+        self.disk = None
+        self.written = {}  # (layer, j) -> future of its disk write
+        self.checksums = {}
+        self.on_durable = on_durable
+        self.disk_prefix = 0  # chunks < disk_prefix: on disk
+        self.durable = None
         self.own_dir = None  # a directory of our own when no task gave one: removed at close()
         if cfg.mode == "disk":
             if disk_path is None:
                 os.makedirs(cfg.offload_dir, mode=0o700, exist_ok=True)
                 disk_path = self.own_dir = tempfile.mkdtemp(prefix="kv-", dir=cfg.offload_dir)
-            blobs = {(l, int(j)): tuple(c["blob"][l]) for j, c in (restore or {}).items() if c.get("blob")
-                     for l in range(n_layers)}
+            blobs = {(l, int(j)): tuple(c["blob"][l])
+                     for j, c in (restore or {}).items() if c.get("blob") for l in range(n_layers)}
             self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype, cfg.compress,
                                  restore=blobs if restore else None)
         offloading = cfg.mode != "none"
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None
 
-        # prefetch: on CUDA every offloaded chunk is staged; on CPU only zstd chunks (the rest is read in place)
+        # prefetch: CUDA stages every offloaded chunk, CPU only zstd ones (the rest: read in place)
         self.staged = offloading and (self.cuda or cfg.compress == "zstd")
-        self.staging = Staging(cfg.staging_slots if self.staged else 0, shape, dtype, self.device, self.cuda)
+        n_slots = cfg.staging_slots if self.staged else 0
+        self.staging = Staging(n_slots, shape, dtype, self.device, self.cuda)
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)   # host/disk -> device: prefetches
             self.evict_stream = torch.cuda.Stream(self.device)  # device -> host: evictions
-            self.evicted = {}                                   # (layer, j) -> event: its D2H copy into the host pool
-            n_disk = len(self.staging.slots) if self.disk else 0
-            self.read_bounces = HostPool(n_disk, shape, dtype, pin=True)            # disk -> here -> device
-            self.write_bounces = HostPool(n_layers if self.disk else 0, shape, dtype, pin=True)  # device -> here -> disk
+            self.evicted = {}  # (layer, j) -> event: its D2H copy into the host pool
+            n_read = len(self.staging.slots) if self.disk else 0
+            n_write = n_layers if self.disk else 0
+            self.read_bounces = HostPool(n_read, shape, dtype, pin=True)    # disk -> here -> device
+            self.write_bounces = HostPool(n_write, shape, dtype, pin=True)  # device -> here -> disk
             self.bounce_free = queue.Queue()
             for b in self.write_bounces.slots:
                 self.bounce_free.put(b)
@@ -144,12 +166,13 @@ class TieredStore:
         with self.count_lock:  # the reader, the writer and the main thread all count
             self.bytes[key] += n
 
-    # ---- a step: prefetch, open_chunk, load, release ------------------------------------------------------
+    # ---- a step: prefetch, open_chunk, load, release ---------------------------------------------
 
     def prefetch(self, n_sealed, first=None):
-        """Queue every chunk of this step that is not on the device, in attention's order: all chunks of layer 0,
-        then layer 1, ... so that the next layer's first chunks arrive while this layer's last are attended.
-        first[l]: layer l's first chunk that any query of the step can see (sliding windows); default 0."""
+        """Queue every chunk of this step that is not on the device, in attention's order: all
+        chunks of layer 0, then layer 1, ... so that the next layer's first chunks arrive while this
+        layer's last are attended. first[l]: layer l's first chunk that any query of the step can
+        see (sliding windows); default 0."""
         st = self.staging
         while st.inflight:  # a step that failed half-way left copies in flight: let them land first
             st.inflight.popleft()[3].result()
@@ -157,15 +180,19 @@ class TieredStore:
         first = first or [0] * self.n_layers
         order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
                  if self.loc[(l, j)] is not DEVICE]
-        self._count("window_skipped", sum(min(f, n_sealed) for f in first) * self.chunk_bytes)  # wherever they live
+        skipped = sum(min(f, n_sealed) for f in first)  # wherever they live
+        self._count("window_skipped", skipped * self.chunk_bytes)
         if self.staged:
             st.queue = deque(order)
             self._pump()
-        elif self.disk is not None and order:  # CPU, raw disk: attention reads the mapping in place; ask the OS to
-            self.reader.submit(self._advise, order)  # page in, ahead of use, whatever it has evicted
+        elif self.disk is not None and order:
+            # CPU, raw disk: attention reads the mapping in place; ask the OS to page in, ahead of
+            # use, whatever it has evicted
+            self.reader.submit(self._advise, order)
 
     def _advise(self, order):
-        """Reader thread: one fadvise per layer over the span of its disk chunks (the file keeps them in order)."""
+        """Reader thread: one fadvise per layer over the span of its disk chunks (the file keeps
+        them in order)."""
         span = {}
         for l, j in order:
             if self.loc[(l, j)] is DISK:
@@ -179,37 +206,42 @@ class TieredStore:
         while st.queue and st.free:
             l, j = st.queue.popleft()
             slot = st.free.pop()
-            if self.cuda and self.loc[(l, j)].tier == "host":  # an async copy from pinned memory: no thread needed
+            where = self.loc[(l, j)]
+            if self.cuda and where.tier == "host":  # pinned memory: an async copy, no thread needed
                 fut = Future()
-                fut.set_result(self._copy_in(l, j, slot, self.host.slots[self.loc[(l, j)].slot]))
+                fut.set_result(self._copy_in(l, j, slot, self.host.slots[where.slot]))
             else:
                 fut = self.reader.submit(self._stage, l, j, slot)
             st.inflight.append((l, j, slot, fut))
 
     def _stage(self, l, j, slot):
-        """Reader thread: bring chunk (l, j) from disk (or, CPU with zstd, from the host pool) into staging slot."""
+        """Reader thread: bring chunk (l, j) from disk (or, CPU with zstd, from the host pool) into
+        staging slot."""
         where, dst = self.loc[(l, j)], self.staging.slots[slot]
         if where is DISK:
-            self.written[(l, j)].result()  # its write has landed (and a failed write raises its DiskError here)
-        if not self.cuda:  # CPU: staged only with zstd; decompress a disk chunk straight into the slot
+            self.written[(l, j)].result()  # its write has landed (or raises its DiskError)
+        if not self.cuda:  # CPU, zstd only: decompress a disk chunk straight into the slot
             if where is DISK:
                 self._count("disk_read", self.disk.read_into(l, j, dst))
             else:  # a host-pool chunk in front of a zstd disk tier (numpy copies: see disk.py)
                 as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
             return
         bounce = self.read_bounces.slots[slot]
-        self.staging.ready[slot].synchronize()  # rule 4: the last host-to-device copy out of this bounce is done
+        self.staging.ready[slot].synchronize()  # rule 4: the last copy out of this bounce is done
         self._count("disk_read", self.disk.read_into(l, j, bounce))
         self._copy_in(l, j, slot, bounce)
 
     def _copy_in(self, l, j, slot, src):
-        """Issue the host-to-device copy of a pinned chunk into staging slot `slot`, on the copy stream."""
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.staging.released[slot])  # rule 3: attention has finished with the slot
+        """Issue the host-to-device copy of a pinned chunk into staging slot `slot`, on the copy
+        stream."""
+        st = self.staging
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(st.released[slot])  # rule 3: attention has finished with the slot
             if self.loc[(l, j)].tier == "host":
-                self.copy_stream.wait_event(self.evicted[(l, j)])  # rule 4: the eviction into this host slot is done
-            self.staging.slots[slot].copy_(src, non_blocking=True)
-            self.staging.ready[slot].record(self.copy_stream)  # rule 2: attention waits for this before reading
+                stream.wait_event(self.evicted[(l, j)])  # rule 4: the eviction into src is done
+            st.slots[slot].copy_(src, non_blocking=True)
+            st.ready[slot].record(stream)  # rule 2: attention waits for this before reading
         self._count("h2d", self.chunk_bytes)
 
     def open_chunk(self, layer):
@@ -226,9 +258,10 @@ class TieredStore:
             if where is not DISK:
                 return self.host.slots[where.slot]
             self.written[key].result()  # its write must have landed in the mapping
-            self._count("disk_mapped_read", self.chunk_bytes)  # read by attention itself, page cache or disk
+            # read by attention itself, page cache or disk
+            self._count("disk_mapped_read", self.chunk_bytes)
             return self.disk.view(layer, j)
-        l, jj, slot, fut = self.staging.inflight[0]  # staged (CUDA, zstd): the head of the prefetch queue
+        l, jj, slot, fut = self.staging.inflight[0]  # staged (CUDA, zstd): the queue's head
         assert (l, jj) == key, f"prefetch order broken: expected {(l, jj)}, attention asked {key}"
         fut.result()  # re-raises an I/O error of the reader here, in the step that needed the chunk
         if self.cuda:
@@ -245,22 +278,26 @@ class TieredStore:
         st.free.append(slot)
         self._pump()
 
-    # ---- a chunk boundary: seal, offload ------------------------------------------------------------------
+    # ---- a chunk boundary: seal, offload ---------------------------------------------------------
 
     def seal(self, j):
-        """Chunk j is full on every layer: it joins the device window; the chunk that falls out is offloaded."""
+        """Chunk j is full on every layer: it joins the device window; the chunk that falls out is
+        offloaded."""
         if self.cuda and self.window < self.n_chunks:
+            compute = torch.cuda.current_stream(self.device)
             written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(self.device))  # rule 1: after the compute that wrote chunk j
-            self.evict_stream.wait_event(written)  # rule 1: copies out wait for the compute that wrote the chunks
+            written.record(compute)  # rule 1: after the compute that wrote chunk j
+            self.evict_stream.wait_event(written)  # rule 1: copies out wait for that compute
         for l in range(self.n_layers):
             self.resident[(l, j)], self.open[l] = self.open[l], None
             self.loc[(l, j)] = DEVICE
             if j - self.window >= 0 and self.loc.get((l, j - self.window)) is DEVICE:
                 self.offload(l, j - self.window)
         if self.durable is not None and self.durable.done() and self.durable.exception():
-            raise self.durable.exception()  # the last manifest could not be written: the disk tier is failing
-        if self.disk and all(self.loc.get((l, self.disk_prefix)) is DISK for l in range(self.n_layers)):
+            # the last manifest could not be written: the disk tier is failing
+            raise self.durable.exception()
+        if self.disk and all(self.loc.get((l, self.disk_prefix)) is DISK
+                             for l in range(self.n_layers)):
             self.disk_prefix += 1
             if self.on_durable:
                 self.durable = self.writer.submit(self._durable, self.disk_prefix)
@@ -281,12 +318,13 @@ class TieredStore:
             self._count("d2h", self.chunk_bytes)
         elif self.disk is not None:
             if self.cuda:
-                bounce = self.bounce_free.get()  # blocks while every write bounce waits for its disk write
+                bounce = self.bounce_free.get()  # blocks while every bounce awaits its disk write
                 with torch.cuda.stream(self.evict_stream):
                     bounce.copy_(kv, non_blocking=True)
                     fence.event = self._event(self.evict_stream)
                 self._count("d2h", self.chunk_bytes)
-                self.written[(l, j)] = self.writer.submit(self._write_from_bounce, l, j, bounce, fence.event)
+                self.written[(l, j)] = self.writer.submit(self._write_from_bounce, l, j, bounce,
+                                                          fence.event)
             else:
                 fence.future = self.written[(l, j)] = self.writer.submit(self._write, l, j, kv)
             self.loc[(l, j)] = DISK
@@ -303,20 +341,25 @@ class TieredStore:
         try:
             copied.synchronize()  # rule 4: the device-to-host copy into the bounce has finished
             self._write(l, j, bounce)
-        finally:  # a failed write still gives its bounce back, or the next eviction would wait forever
+        finally:
+            # a failed write still gives its bounce back, or the next eviction would wait forever
             self.bounce_free.put(bounce)
 
     def _durable(self, n):
-        """Writer thread, after the writes of chunks < n (FIFO): sync them, then report them with checksums."""
+        """Writer thread, after the writes of chunks < n (FIFO): sync them, then report them with
+        checksums."""
         self.disk.flush()
-        chunks = {j: {"crc": [self.checksums[(l, j)] for l in range(self.n_layers)],
-                      "blob": [self.disk.index[(l, j)] for l in range(self.n_layers)] if self.disk.index else None}
-                  for j in range(n)}
+        layers = range(self.n_layers)
+        chunks = {}
+        for j in range(n):
+            blobs = [self.disk.index[(l, j)] for l in layers] if self.disk.index else None
+            chunks[j] = {"crc": [self.checksums[(l, j)] for l in layers], "blob": blobs}
         self.on_durable(n, chunks)
 
     def restore(self, n, chunks):
-        """Adopt chunks 0..n-1 left on disk by an interrupted run, checking each against its manifest checksum.
-        Returns how many chunks were restored: the prefix before the first missing or corrupt one."""
+        """Adopt chunks 0..n-1 left on disk by an interrupted run, checking each against its
+        manifest checksum. Returns how many chunks were restored: the prefix before the first
+        missing or corrupt one."""
         for j in range(n):
             c = chunks.get(str(j)) or chunks.get(j)
             crcs = [self.disk.checksum(l, j) for l in range(self.n_layers)] if c else None
@@ -334,28 +377,32 @@ class TieredStore:
         return n
 
     def read_back(self, l, j, dst):
-        """Copy sealed chunk (l, j) into the host tensor dst, wherever it lives, and wait for it: the persistent KV
-        store (kvstore.py) keeps prompt chunks this way. Synchronous, and never part of attention's schedule."""
+        """Copy sealed chunk (l, j) into the host tensor dst, wherever it lives, and wait for it:
+        the persistent KV store (kvstore.py) keeps prompt chunks this way. Synchronous, and never
+        part of attention's schedule."""
         where = self.loc[(l, j)]
         if where is DEVICE:
-            dst.copy_(self.resident[(l, j)])  # to pageable memory: the copy waits for the compute that wrote it
+            # to pageable memory: the copy waits for the compute that wrote it
+            dst.copy_(self.resident[(l, j)])
         elif where is DISK:
             self.written[(l, j)].result()     # the write has landed (or raises its DiskError)
             self.disk.read_into(l, j, dst)
         else:
             if self.cuda:
-                self.evicted[(l, j)].synchronize()  # rule 4: the eviction into the host slot has finished
+                self.evicted[(l, j)].synchronize()  # rule 4: the eviction into host memory is done
             as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
 
     def _event(self, stream):
-        (e := torch.cuda.Event()).record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
+        e = torch.cuda.Event()
+        e.record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
         return e
 
     def _device_buffer(self):
         if self.free:
             kv, fence = self.free.popleft()
             if fence.event is not None:
-                torch.cuda.current_stream(self.device).wait_event(fence.event)  # rule 5: the copy out of it is done
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(fence.event)  # rule 5: the copy out of it is done
             if fence.future is not None:
                 fence.future.result()  # CPU: the writer has written it to disk
             return kv
@@ -363,35 +410,38 @@ class TieredStore:
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
         return alloc_chunks(1, self.shape, self.dtype, self.device)[1][0]
 
-    # ---- accounting and lifecycle -------------------------------------------------------------------------
+    # ---- accounting and lifecycle ----------------------------------------------------------------
 
     def device_bytes(self):
         """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
         return (self.device_buffers + len(self.staging.slots)) * self.slot_bytes
 
     def snapshot(self, open_positions=0):
-        """What a monitor may read, without reaching into the store: bytes moved so far, chunks per tier, KV bytes
-        on the device now (window, filled part of the open chunks, busy staging slots) and at peak, pinned bytes."""
+        """What a monitor may read, without reaching into the store: bytes moved so far, chunks per
+        tier, KV bytes on the device now (window, filled part of the open chunks, busy staging
+        slots) and at peak, pinned bytes."""
         tiers = {"device": sum(o is not None for o in self.open), "host": 0, "disk": 0}
         for w in self.loc.values():
             tiers[w.tier] += 1
         busy = len(self.staging.slots) - len(self.staging.free)
-        now = (len(self.resident) + busy) * self.chunk_bytes + self.n_layers * open_positions * (
-            self.chunk_bytes // self.chunk_size)
+        open_bytes = self.n_layers * open_positions * (self.chunk_bytes // self.chunk_size)
+        now = (len(self.resident) + busy) * self.chunk_bytes + open_bytes
         with self.count_lock:
             moved = dict(self.bytes)
-        pinned = sum(p.pinned_bytes for p in (self.host, *((self.read_bounces, self.write_bounces) if self.cuda else ())))
-        return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now, "kv_device_bytes_peak": self.peak_device_bytes,
-                "pinned_bytes": pinned, "offloading": self.cfg.mode != "none", "window": self.window}
+        bounces = (self.read_bounces, self.write_bounces) if self.cuda else ()
+        pinned = sum(p.pinned_bytes for p in (self.host, *bounces))
+        return {"bytes": moved, "chunks": tiers, "kv_device_bytes": now,
+                "kv_device_bytes_peak": self.peak_device_bytes, "pinned_bytes": pinned,
+                "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
         for worker in filter(None, (self.reader, self.writer)):
             worker.shutdown(wait=True)
         if self.cuda:
-            self.copy_stream.synchronize()   # rule 5: a failed step's staged copies still read bounces unpinned below
-            self.evict_stream.synchronize()  # rule 5: the last evictions may still write host chunks unpinned below
+            self.copy_stream.synchronize()   # rule 5: a failed step's copies may still read bounces
+            self.evict_stream.synchronize()  # rule 5: the last evictions may still write host slots
             for pool in (self.host, self.read_bounces, self.write_bounces):
-                pool.close()
+                pool.close()  # unpinned: no copy may still use it
         if self.disk is not None:
             self.disk.close()
         if self.own_dir and not self.cfg.keep_files:

@@ -1,7 +1,8 @@
 """
-Tokenizers of Hugging Face checkpoints: `tokenizer.model` (sentencepiece: Llama 1/2, Mistral) or `tokenizer.json`
-(the tokenizers library: Llama 3, Qwen2). BOS and EOS ids come from config.json and generation_config.json.
-Instruct models also get their chat template rendered here, as transformers renders it.
+Tokenizers of Hugging Face checkpoints: `tokenizer.model` (sentencepiece: Llama 1/2, Mistral) or
+`tokenizer.json` (the tokenizers library: Llama 3, Qwen2). BOS and EOS ids come from config.json
+and generation_config.json. Instruct models also get their chat template rendered here, as
+transformers renders it.
 """
 import json
 import os
@@ -11,26 +12,33 @@ from datetime import datetime
 from checkpoint import CheckpointError, read_json
 
 # the named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
 
 
 class Tokenizer:
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
-        cfg = read_json(os.path.join(ckpt_dir, "config.json"))
+        hf_config = read_json(os.path.join(ckpt_dir, "config.json"))
         gen_path = os.path.join(ckpt_dir, "generation_config.json")
         gen = read_json(gen_path) if os.path.exists(gen_path) else {}
-        self.bos_id = gen.get("bos_token_id", cfg.get("bos_token_id"))
-        # transformers' generate stops at any of generation_config's eos ids (Llama 3 instruct lists two or three)
-        eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        spm_path, json_path = os.path.join(ckpt_dir, "tokenizer.model"), os.path.join(ckpt_dir, "tokenizer.json")
-        if os.path.exists(json_path):  # preferred when both exist: it carries the checkpoint's own BOS rule
+        self.bos_id = gen.get("bos_token_id", hf_config.get("bos_token_id"))
+        # transformers' generate stops at any of generation_config's eos ids (Llama 3 instruct
+        # lists two or three)
+        eos = gen.get("eos_token_id", hf_config.get("eos_token_id"))
+        if eos is None:
+            eos = []
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        spm_path = os.path.join(ckpt_dir, "tokenizer.model")
+        json_path = os.path.join(ckpt_dir, "tokenizer.json")
+        # tokenizer.json is preferred when both exist: it carries the checkpoint's own BOS rule
+        if os.path.exists(json_path):
             from tokenizers import Tokenizer as HFTokenizer
             try:
                 self.tok = HFTokenizer.from_file(json_path)
             except Exception as e:
-                raise CheckpointError(f"{json_path}: cannot be read by the tokenizers library ({e})") from None
+                raise CheckpointError(f"{json_path}: cannot be read by the tokenizers library "
+                                      f"({e})") from None
             self.kind = "json"
         elif os.path.exists(spm_path):
             import sentencepiece as spm
@@ -38,32 +46,39 @@ class Tokenizer:
             try:
                 self.tok.Load(spm_path)
             except Exception as e:
-                raise CheckpointError(f"{spm_path}: cannot be read by sentencepiece ({e})") from None
+                raise CheckpointError(f"{spm_path}: cannot be read by sentencepiece "
+                                      f"({e})") from None
             self.kind = "spm"
             if self.bos_id is None:
                 self.bos_id = self.tok.bos_id() if self.tok.bos_id() >= 0 else None
             if not self.eos_ids and self.tok.eos_id() >= 0:
                 self.eos_ids = {self.tok.eos_id()}
         else:
-            raise CheckpointError(f"{ckpt_dir}: no tokenizer.model or tokenizer.json; pass token ids instead of text")
-        # sentencepiece checkpoints (Llama 2, Mistral) prepend BOS unless tokenizer_config.json says otherwise
+            raise CheckpointError(f"{ckpt_dir}: no tokenizer.model or tokenizer.json; pass token "
+                                  "ids instead of text")
+        # sentencepiece checkpoints (Llama 2, Mistral) prepend BOS unless tokenizer_config.json says
+        # otherwise
         tc_path = os.path.join(ckpt_dir, "tokenizer_config.json")
         tc = read_json(tc_path) if os.path.exists(tc_path) else {}
-        self.add_bos = self.kind == "spm" and tc.get("add_bos_token", True) and self.bos_id is not None
+        add_bos = tc.get("add_bos_token", True)
+        self.add_bos = self.kind == "spm" and add_bos and self.bos_id is not None
         self.special_tokens = special_tokens(tc, self.tok if self.kind == "spm" else None)
         self.tokenizer_config = tc
-        self._template = None  # compiled on first use: a checkpoint whose template is broken still generates text
-        # transformers (LlamaTokenizer) gives text after a special token no sentencepiece prefix space unless legacy
+        # compiled on first use: a checkpoint whose template is broken still generates text
+        self._template = None
+        # transformers (LlamaTokenizer) gives text after a special token no sentencepiece prefix
+        # space unless legacy
         self.legacy = bool(tc.get("legacy", False))
 
     def encode(self, text):
-        if self.kind == "json":  # the file's post-processor decides about BOS (Llama 3 adds it, Qwen2 does not)
+        # the file's post-processor decides about BOS (Llama 3 adds it, Qwen2 does not)
+        if self.kind == "json":
             return self.tok.encode(text).ids
         return ([self.bos_id] if self.add_bos else []) + self.tok.EncodeAsIds(text)
 
     def prompt_ids(self, task, chat=False, system=None):
-        """A task's prompt ids: its chat "messages" through the template, its "prompt" through the template with
-        chat (and a system message), or its plain "prompt" text."""
+        """A task's prompt ids: its chat "messages" through the template, its "prompt" through the
+        template with chat (and a system message), or its plain "prompt" text."""
         if "messages" in task:
             return self.apply_chat_template(task["messages"])
         if chat:
@@ -79,68 +94,88 @@ class Tokenizer:
     # chat
 
     def apply_chat_template(self, messages, add_generation_prompt=True, **template_vars):
-        """The token ids of `messages` ([{"role", "content"}, ...]) rendered by the checkpoint's chat template, as
-        transformers' apply_chat_template(messages, add_generation_prompt=..., tokenize=True) gives them.
-        template_vars reach the template too, e.g. enable_thinking=False for Qwen3."""
+        """The token ids of `messages` ([{"role", "content"}, ...]) rendered by the checkpoint's
+        chat template, as transformers' apply_chat_template(messages, add_generation_prompt=...,
+        tokenize=True) gives them. template_vars reach the template too, e.g.
+        enable_thinking=False for Qwen3."""
         import jinja2
         problem = messages_problem(messages)
         if problem:
             raise ValueError(problem)
         template = self.chat_template()
-        # keys set to None are dropped, as transformers does: templates handle a missing key better than "None"
+        # keys set to None are dropped, as transformers does: templates handle a missing key better
+        # than "None"
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        try:  # tools and documents are None: templates test them to switch their tool-use sections off
-            text = template.render(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+        # tools and documents are None: templates test them to switch their tool-use sections off
+        try:
+            text = template.render(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt,
                                    **{**self.special_tokens, **template_vars})
-        except jinja2.TemplateError as e:  # raise_exception() in the template, e.g. "roles must alternate"
+        except jinja2.TemplateError as e:
+            # raise_exception() in the template, e.g. "roles must alternate"
             raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages ({e}); "
-                             "check their roles and order (some templates take no system message)") from None
+                             "check their roles and order (some templates take no system "
+                             "message)") from None
         return self.encode_rendered(text)
 
     def chat_template(self):
-        """The checkpoint's chat template, compiled; CheckpointError when it has none or it does not compile.
-        Call it right after loading the tokenizer to fail before the model is loaded."""
+        """The checkpoint's chat template, compiled; CheckpointError when it has none or it does not
+        compile. Call it right after loading the tokenizer to fail before the model is loaded."""
         import jinja2
         if self._template is None:
             source, where = read_chat_template(self.ckpt_dir, self.tokenizer_config)
             if source is None:
-                raise CheckpointError(f"{self.ckpt_dir} has no chat template (tokenizer_config.json 'chat_template' "
-                                      "or chat_template.jinja); drop --chat or add a template to the checkpoint")
+                raise CheckpointError(f"{self.ckpt_dir} has no chat template "
+                                      "(tokenizer_config.json 'chat_template' or "
+                                      "chat_template.jinja); drop --chat or add a template to the "
+                                      "checkpoint")
             try:
                 self._template = compile_template(source)
             except jinja2.TemplateError as e:
-                raise CheckpointError(f"{where}: the chat template is not valid jinja ({e})") from None
+                raise CheckpointError(f"{where}: the chat template is not valid jinja "
+                                      f"({e})") from None
         return self._template
 
     def encode_rendered(self, text):
-        """Encode a rendered chat: the template wrote BOS and the other special tokens itself, so none are added
-        (transformers' add_special_tokens=False) and each special token's text becomes its one id."""
+        """Encode a rendered chat: the template wrote BOS and the other special tokens itself, so
+        none are added (transformers' add_special_tokens=False) and each special token's text
+        becomes its one id."""
         if self.kind == "json":  # tokenizer.json matches its added tokens itself
             return self.tok.encode(text, add_special_tokens=False).ids
-        # sentencepiece reads "<s>" as three characters: split on the special tokens first, as transformers does
+        # sentencepiece reads "<s>" as three characters: split on the special tokens first, as
+        # transformers does
         ids_of = {t: self.tok.PieceToId(t) for t in set(self.special_tokens.values())}
-        ids_of = {t: i for t, i in ids_of.items() if self.tok.IdToPiece(i) == t}  # a piece of the model only
+        # a piece of the model only
+        ids_of = {t: i for t, i in ids_of.items() if self.tok.IdToPiece(i) == t}
         if not ids_of:
             return self.tok.EncodeAsIds(text)
-        pattern = "(" + "|".join(re.escape(t) for t in sorted(ids_of, key=len, reverse=True)) + ")"
+        longest_first = sorted(ids_of, key=len, reverse=True)
+        pattern = "(" + "|".join(re.escape(t) for t in longest_first) + ")"
         ids = []
-        for i, piece in enumerate(re.split(pattern, text)):  # [text, special, text, special, ..., text]
+        # [text, special, text, special, ..., text]
+        for i, piece in enumerate(re.split(pattern, text)):
             if i % 2:
                 ids.append(ids_of[piece])
             elif piece:
-                ids += self.tok.EncodeAsIds(piece) if self.legacy or i == 0 else self._encode_no_prefix(piece)
+                if self.legacy or i == 0:
+                    ids += self.tok.EncodeAsIds(piece)
+                else:
+                    ids += self._encode_no_prefix(piece)
         return ids
 
     def _encode_no_prefix(self, text):
-        # sentencepiece prepends "▁" to every call; encode after a newline and drop the newline's ids instead
-        # (transformers' own trick for pieces in the middle of a chat)
-        newline, ids = self.tok.EncodeAsIds("\n"), self.tok.EncodeAsIds("\n" + text)
+        # sentencepiece prepends "▁" to every call; encode after a newline and drop the newline's
+        # ids instead (transformers' own trick for pieces in the middle of a chat)
+        newline = self.tok.EncodeAsIds("\n")
+        ids = self.tok.EncodeAsIds("\n" + text)
         return ids[len(newline):] if ids[:len(newline)] == newline else self.tok.EncodeAsIds(text)
 
 
 def load_tokenizer(ckpt_dir):
-    """The checkpoint's tokenizer, or None when it ships none (then only token ids can be generated)."""
-    if not any(os.path.exists(os.path.join(ckpt_dir, f)) for f in ("tokenizer.model", "tokenizer.json")):
+    """The checkpoint's tokenizer, or None when it ships none (then only token ids can be
+    generated)."""
+    files = ("tokenizer.model", "tokenizer.json")
+    if not any(os.path.exists(os.path.join(ckpt_dir, f)) for f in files):
         return None
     return Tokenizer(ckpt_dir)
 
@@ -149,13 +184,16 @@ def load_tokenizer(ckpt_dir):
 # chat templates
 
 def chat_messages(prompt, system=None):
-    """The conversation for one prompt: a user message, after a system message when `system` is given (even "",
-    which replaces the default system message some templates insert, e.g. Qwen2.5's)."""
-    return ([] if system is None else [{"role": "system", "content": system}]) + [{"role": "user", "content": prompt}]
+    """The conversation for one prompt: a user message, after a system message when `system` is
+    given (even "", which replaces the default system message some templates insert, e.g.
+    Qwen2.5's)."""
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    return messages + [{"role": "user", "content": prompt}]
 
 
 def messages_problem(messages):
-    """None when `messages` is a chat a template can render, else one sentence saying what is wrong with it."""
+    """None when `messages` is a chat a template can render, else one sentence saying what is wrong
+    with it."""
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects"
     for i, m in enumerate(messages):
@@ -165,53 +203,66 @@ def messages_problem(messages):
             if not isinstance(m.get(key), str):
                 return f"'messages'[{i}] needs a string '{key}', not {json.dumps(m.get(key))}"
         if not m["role"]:
-            return f"'messages'[{i}] has an empty 'role' (use \"system\", \"user\" or \"assistant\")"
+            return (f"'messages'[{i}] has an empty 'role' (use \"system\", \"user\" or "
+                    "\"assistant\")")
     return None
 
 
 def special_tokens(tc, sp=None):
-    """The special-token strings a template may use ({{ bos_token }}...), from tokenizer_config.json, where each is
-    a string or {"content": ...}; a sentencepiece model fills bos/eos/unk from its pieces, as LlamaTokenizer does."""
+    """The special-token strings a template may use ({{ bos_token }}...), from
+    tokenizer_config.json, where each is a string or {"content": ...}; a sentencepiece model fills
+    bos/eos/unk from its pieces, as LlamaTokenizer does."""
     def text(v):
         return v.get("content") if isinstance(v, dict) else v
-    extra = tc.get("extra_special_tokens") if isinstance(tc.get("extra_special_tokens"), dict) else {}
+    extra = tc.get("extra_special_tokens")
+    if not isinstance(extra, dict):
+        extra = {}
     out = {k: text(tc.get(k)) for k in SPECIAL_TOKEN_NAMES}
-    out.update({k: text(v) for k, v in extra.items()})  # named model-specific tokens, e.g. image_token
+    # named model-specific tokens, e.g. image_token
+    out.update({k: text(v) for k, v in extra.items()})
     if sp is not None:
-        for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
+        pieces = (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()),
+                  ("unk_token", sp.unk_id()))
+        for name, i in pieces:
             if out.get(name) is None and i >= 0:
                 out[name] = sp.IdToPiece(i)
     return {k: v for k, v in out.items() if isinstance(v, str)}
 
 
 def read_chat_template(ckpt_dir, tc):
-    """(template text, where it came from), or (None, None). chat_template.jinja wins over tokenizer_config.json,
-    as in transformers; there 'chat_template' is a string or a list of {"name", "template"} whose "default" is used."""
+    """(template text, where it came from), or (None, None). chat_template.jinja wins over
+    tokenizer_config.json, as in transformers; there 'chat_template' is a string or a list of
+    {"name", "template"} whose "default" is used."""
     jinja_path = os.path.join(ckpt_dir, "chat_template.jinja")
     if os.path.exists(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:
             return f.read(), jinja_path
-    tc_path, t = os.path.join(ckpt_dir, "tokenizer_config.json"), tc.get("chat_template")
+    tc_path = os.path.join(ckpt_dir, "tokenizer_config.json")
+    t = tc.get("chat_template")
     if isinstance(t, list):
         named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
         if "default" not in named:
-            raise CheckpointError(f"{tc_path}: 'chat_template' lists templates {sorted(map(str, named))} but none "
-                                  "named \"default\"; add a chat_template.jinja with the one to use")
+            raise CheckpointError(f"{tc_path}: 'chat_template' lists templates "
+                                  f"{sorted(map(str, named))} but none named \"default\"; add a "
+                                  "chat_template.jinja with the one to use")
         t = named["default"]
     if t is not None and not isinstance(t, str):
-        raise CheckpointError(f"{tc_path}: 'chat_template' must be a string or a list of {{name, template}} objects")
+        raise CheckpointError(f"{tc_path}: 'chat_template' must be a string or a list of "
+                              "{name, template} objects")
     return (t, tc_path) if t is not None else (None, None)
 
 
 def compile_template(source):
-    """The template in the environment transformers renders it in: a sandbox (templates come from the Hub and are
-    untrusted code), trim_blocks and lstrip_blocks, raise_exception, strftime_now, and a tojson that keeps non-ASCII."""
+    """The template in the environment transformers renders it in: a sandbox (templates come from
+    the Hub and are untrusted code), trim_blocks and lstrip_blocks, raise_exception, strftime_now,
+    and a tojson that keeps non-ASCII."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
-        # {% generation %}...{% endgeneration %} marks assistant text for training masks; it renders as its body
+        # {% generation %}...{% endgeneration %} marks assistant text for training masks; it renders
+        # as its body
         tags = {"generation"}
 
         def parse(self, parser):
@@ -222,10 +273,15 @@ def compile_template(source):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["strftime_now"] = strftime_now
     return env.from_string(source)
