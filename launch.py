@@ -22,8 +22,8 @@ from tp import Layout, init_distributed, load_sharded, split_tasks
 
 
 class LaunchError(ValueError):
-    """A launch that cannot work (--tp without torchrun, a world that --tp does not divide): one
-    sentence."""
+    """A launch that cannot work (--tp without torchrun, a world that --tp does not divide):
+    one sentence."""
 
 
 def under_torchrun():
@@ -45,8 +45,8 @@ def start(tp, device):
 
 
 def load(ckpt, layout, device, dtype, rope_override=None, quantize=None):
-    """This rank's model: the whole checkpoint with one rank per replica, else its slices
-    (tp.load_sharded)."""
+    """This rank's model: the whole checkpoint with one rank per replica,
+    else its slices (tp.load_sharded)."""
     if layout.tp == 1:
         kw = {"quantize": quantize} if quantize else {}
         return Transformer.from_pretrained(ckpt, device=device, dtype=dtype,
@@ -75,8 +75,7 @@ def from_leader(obj, layout):
 
 def batch_totals(totals, layout):
     """Every replica leader's totals meet on global rank 0 (a collective: every rank calls it).
-    Returns the summed totals and the list of per-replica totals on rank 0, (None, None)
-    elsewhere."""
+    Returns (summed totals, list of per-replica totals) on rank 0, (None, None) elsewhere."""
     if layout.world == 1:
         return totals, [totals]
     mine = totals if layout.is_leader else None

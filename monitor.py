@@ -49,8 +49,8 @@ def total_ram():
 
 
 def mem_available():
-    """Bytes the kernel says can be allocated without swapping (MemAvailable); 0 where it does not
-    say."""
+    """Bytes the kernel says can be allocated without swapping (MemAvailable);
+    0 where it does not say."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -119,8 +119,8 @@ def gib(n):
 
 
 class Monitor:
-    """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts, keeps totals for
-    the summary."""
+    """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts,
+    keeps totals for the summary."""
 
     def __init__(self, trace_path=None, log=None, ram=None):
         # appended to: runs accumulate
@@ -168,8 +168,7 @@ class Monitor:
         return min(position, prompt_tokens) * prefill + max(0, position - prompt_tokens) * decode
 
     def step(self, task, phase, cache):
-        """After every forward step of a task: one trace event, and the alerts that can fire
-        mid-task."""
+        """After each forward step of a task: one trace event, and the alerts that fire mid-task."""
         snap = cache.store.snapshot(cache.length % cache.chunk_size)
         mem = host_memory()
         moved = snap["bytes"]
@@ -214,8 +213,8 @@ class Monitor:
                        "finished tasks give for that much work", task)
 
     def context_stayed_on_device(self, task, stats, chunk_size, window):
-        """Offload configured, yet the whole context fitted in the device window: say so once, with
-        the fix."""
+        """Offload configured, yet the whole context fitted in the device window:
+        say so once, with the fix."""
         c = stats["chunks"]
         if c["host"] + c["disk"] == 0:
             self.log(f"task {task}: offload is on, but the context ({c['device']} chunks per layer "
@@ -244,8 +243,8 @@ class Monitor:
                 t["bytes"][k] = t["bytes"].get(k, 0) + v
 
     def summary(self, totals=None):
-        """The closing lines of a batch: this process's totals, or the `totals` given (a whole
-        torchrun batch)."""
+        """The closing lines of a batch: this process's totals,
+        or the `totals` given (a whole torchrun batch)."""
         t = totals or self.totals
         rate = ""
         if t.get("wall_s"):

@@ -23,8 +23,8 @@ class Progress:
         self.width = 0  # length of the line on screen, so a shorter line can blank out its tail
 
     def update(self, done, total):
-        """Report `done` of `total` tokens; draws at most once per interval, and the last step if
-        any was drawn."""
+        """Report `done` of `total` tokens; draws at most once per interval,
+        and the last step if any was drawn."""
         if not self.enabled:
             return
         now = self.clock()

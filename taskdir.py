@@ -142,8 +142,8 @@ class TaskDir:
     Two users of one directory are refused."""
 
     def __init__(self, root, task_id, sub=None):
-        """sub: a rank's own subdirectory (tensor parallel: every rank keeps its store in
-        task_<id>/rank<r>/)."""
+        """sub: a rank's own subdirectory
+        (tensor parallel: every rank keeps its store in task_<id>/rank<r>/)."""
         self.top = os.path.join(root, safe_task_name(task_id))
         self.path = os.path.join(self.top, sub) if sub else self.top
         try:
