@@ -1,8 +1,9 @@
 """
-One generation task: its cache and tiers, its directory on disk, resume after a crash, and measured statistics.
-cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks through run_task, so every number
-they print is measured the same way.
+One generation task: its cache and tiers, its directory on disk, resume after a crash, and measured
+statistics. cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks through
+run_task, so every number they print is measured the same way.
 """
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -20,77 +21,104 @@ from tp import Layout, agree_min, broadcast_token
 
 
 def resume_point(manifest, task, chunk_size):
-    """From a manifest left by an interrupted run: (chunks to restore, generated tokens to replay, why not)."""
+    """From a manifest left by an interrupted run:
+    (chunks to restore, generated tokens to replay, why not)."""
     if manifest is None:
         return 0, [], None
     for key, value in task.items():
         if manifest.get(key) != value:
-            why = " (other weights, or a setting that changes the KV)" if key == "fingerprint" else ""
+            why = ""
+            if key == "fingerprint":
+                why = " (other weights, or a setting that changes the KV)"
             return 0, [], f"manifest was written for another {key}{why}"
     tokens = manifest.get("tokens", [])
     P = len(task["prompt_ids"])
     if tokens[:P] != task["prompt_ids"]:
         return 0, [], "manifest tokens do not start with this prompt"
-    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)  # keep >= 1 position to recompute
+    # keep >= 1 position to recompute
+    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)
     return n, tokens[P:], None
 
 
-def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None,
-             kv_dtype="auto"):
-    """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
+def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
+             eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
+             kv_store=None, layout=None, kv_dtype="auto"):
+    """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
+    everything measured.
 
-    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
-    forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
-    fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
-    manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
-    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from.
-    kv_store (a kvstore.KVStore): adopt the longest stored prefix of this prompt's full chunks, and store the
-    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache). Under tensor
-    parallelism (layout, see tp.py) each rank keeps its own store in task_<id>/rank<r>/, the ranks resume together
-    from the shortest prefix they all vouch for, and rank 0's sampled token is everyone's."""
+    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so
+    far) after each sampled token; on_step(phase, logits, cache) after each forward step. With the
+    disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a fingerprint (of
+    the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
+    manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches
+    for. The directory is removed on success (unless cfg.keep_files) and kept on failure, for the
+    next run to resume from. kv_store (a kvstore.KVStore): adopt the longest stored prefix of this
+    prompt's full chunks, and store the prompt chunks this run computes, under keys chained from
+    the fingerprint (see PromptCache). Under tensor parallelism (layout, see tp.py) each rank keeps
+    its own store in task_<id>/rank<r>/, the ranks resume together from the shortest prefix they all
+    vouch for, and rank 0's sampled token is everyone's."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
     if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
         fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
-    task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
-            "chunk_size": chunk_size, "kv_dtype": kv_dtype, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
-            "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
+    task = {
+        "fingerprint": fingerprint,
+        "dtype": str(model.tok_embeddings.weight.dtype),
+        "device": device.type,
+        "chunk_size": chunk_size,
+        "kv_dtype": kv_dtype,
+        "compress": cfg.compress,
+        "prompt_ids": list(prompt_ids),
+        "max_new_tokens": max_new_tokens,
+        "sampling": vars(sampling),
+    }
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
-    n_restore = agree_min(n_restore, layout)  # the ranks of a replica step together: same prefix, same replay
+    # the ranks of a replica step together: same prefix, same replay
+    n_restore = agree_min(n_restore, layout)
     replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the writer thread
 
     def durable(n, chunks):  # writer thread: chunks 0..n-1 are synced; vouch for them
         taskdir.write_manifest({**task, "tokens": list(prompt_ids) + list(out), "chunks": chunks})
 
-    ok, cache = False, None
-    # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait for each other
+    def open_cache(n):
+        """A cache with its first n chunks restored from the disk tier: the positions past them
+        are recomputed, the replayed tokens fed again. Returns (cache, chunks restored)."""
+        c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens,
+                       taskdir and taskdir.path, restore=manifest["chunks"] if n else None,
+                       on_durable=durable if taskdir and fingerprint else None,
+                       kv_dtype=kv_dtype)
+        if not n:
+            return c, 0
+        return c, c.store.restore(n, manifest["chunks"])
+
+    ok = False
+    cache = None
+    # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait
+    # for each other
     stream = torch.cuda.Stream(device) if on_cuda(device) else None
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
-                c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
-                               restore=manifest["chunks"] if n else None,
-                               on_durable=durable if taskdir and fingerprint else None, kv_dtype=kv_dtype)
-                return c, c.store.restore(n, manifest["chunks"]) if n else 0
             cache, restored = open_cache(n_restore)
             agreed = agree_min(restored, layout)
-            if agreed < restored:  # another rank's store vouches for fewer chunks: reopen ours at that prefix
+            # another rank's store vouches for fewer chunks: reopen ours at that prefix
+            if agreed < restored:
                 cache.store.close()
                 cache = None
                 cache, restored = open_cache(agreed)
             if restored < n_restore and log:
-                log(f"task {task_id}: chunk {restored} is missing or fails its checksum"
-                    f"{' on some rank' if layout.tp > 1 else ''}; recomputing from there")
+                where = " on some rank" if layout.tp > 1 else ""
+                log(f"task {task_id}: chunk {restored} is missing or fails its checksum{where}; "
+                    "recomputing from there")
             cache.length = restored * chunk_size
             resumed_from = cache.length
-            prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model) if kv_store else None
-            if prompt_cache:
+            prompt_cache = None
+            if kv_store:
+                prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model)
                 prompt_cache.adopt(cache)
 
             def step(phase, logits, cache):
@@ -98,8 +126,10 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                     prompt_cache.store_sealed(cache)
                 if on_step:
                     on_step(phase, logits, cache)
-            new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                                        out=out, on_token=on_token, on_step=step, stream=stream, layout=layout)
+            new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens,
+                                        sampling=sampling, eos_ids=eos_ids, out=out,
+                                        on_token=on_token, on_step=step, stream=stream,
+                                        layout=layout)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
         ok = True
@@ -108,21 +138,25 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"], stats["kv_dtype"] = resumed_from, kv_dtype
+    stats["resumed_from"] = resumed_from
+    stats["kv_dtype"] = kv_dtype
     return new, stats
 
 
-def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream,
-                   layout=None):
-    """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed tokens on
-    entry and the tokens so far as they come; stream is this task's CUDA stream (None on CPU)."""
+def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token,
+                   on_step, stream, layout=None):
+    """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed
+    tokens on entry and the tokens so far as they come; stream is this task's CUDA stream
+    (None on CPU)."""
     peak = {"anon": 0, "rss": 0, "file": 0}
     clock = {"t": time.perf_counter(), "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-    replayed, io_start = list(out), process_io()
+    replayed = list(out)
+    io_start = process_io()
 
     def step(phase, logits, cache):
         if stream is not None:
-            stream.synchronize()  # this task's work only: another task's steps are not ours to wait for
+            # this task's work only: another task's steps are not ours to wait for
+            stream.synchronize()
         now = time.perf_counter()
         clock[phase + "_s"] += now - clock["t"]
         clock["t"] = now
@@ -134,33 +168,44 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
 
     def token_cb(new):
         out[:] = new  # durable() reads it from the writer thread
-        if len(new) == len(replayed) + 1:  # the first sampled token ends prefill: restart the clock for decoding
+        # the first sampled token ends prefill: restart the clock for decoding
+        if len(new) == len(replayed) + 1:
             clock["ttft_s"] = clock["prefill_s"] + time.perf_counter() - clock["t"]
             clock["t"] = time.perf_counter()
         if on_token:
             on_token(new)
 
+    share = None  # under tensor parallelism rank 0's sampled token is everyone's
+    if layout is not None and layout.tp > 1:
+        share = functools.partial(broadcast_token, layout=layout)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
-    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed,
-                   share=None if layout is None or layout.tp == 1 else lambda token: broadcast_token(token, layout))
-    snap, io_end = cache.store.snapshot(), process_io()
+    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step,
+                   replay=replayed, share=share)
+    snap = cache.store.snapshot()
+    io_end = process_io()
     weights = weight_bytes(model)
+    decode_rate = 0.0
+    if clock["decode_s"]:
+        decode_rate = round(clock["decode_steps"] / clock["decode_s"], 2)
     return new, {
         "prefill_s": round(clock["prefill_s"], 4),
         "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),
         "ttft_s": round(clock.get("ttft_s", clock["prefill_s"]), 4),
         "decode_s": round(clock["decode_s"], 4),
-        "decoded_tokens": clock["decode_steps"],  # decoded in this run: a resumed task's replayed tokens are not
-        "decode_tokens_per_s": round(clock["decode_steps"] / clock["decode_s"], 2) if clock["decode_s"] else 0.0,
-        # this task's own accounting (CUDA and CPU alike): the weights plus the KV chunks it allocated on the device
+        # decoded in this run: a resumed task's replayed tokens are not
+        "decoded_tokens": clock["decode_steps"],
+        "decode_tokens_per_s": decode_rate,
+        # this task's own accounting (CUDA and CPU alike): the weights plus the KV chunks it
+        # allocated on the device
         "peak_device_bytes": weights + snap["kv_device_bytes_peak"],
         "peak_host_rss_bytes": peak["rss"],
         "peak_host_anon_bytes": peak["anon"],
         "peak_host_file_bytes": peak["file"],
         "pinned_bytes": snap["pinned_bytes"],
-        # bytes: what the store moved (h2d, d2h; disk_write / disk_read through the disk tier's files;
-        # disk_mapped_read: read by attention in place through the mapping, CPU only); io: what this process asked
-        # of storage while the task ran (/proc/self/io, shared by concurrent tasks), the real device I/O
+        # bytes: what the store moved (h2d, d2h; disk_write / disk_read through the disk tier's
+        # files; disk_mapped_read: read by attention in place through the mapping, CPU only); io:
+        # what this process asked of storage while the task ran (/proc/self/io, shared by
+        # concurrent tasks), the real device I/O
         "bytes": snap["bytes"],
         "io": {k: io_end[k] - io_start[k] for k in io_end},
         "chunks": snap["chunks"],
@@ -168,29 +213,43 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
 
 
 class PromptCache:
-    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j, positions
-    [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose result depends only on
-    the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit for bit what recomputing it gives.
-    Chunks filled one generated token at a time (a second turn of a dialogue) are never stored."""
+    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j,
+    positions [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose
+    result depends only on the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit
+    for bit what recomputing it gives. Chunks filled one generated token at a time (a second turn of
+    a dialogue) are never stored."""
 
     def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
-        a, s = model.args, cache.store
-        run = run_fingerprint(fingerprint, dtype=s.dtype, device=s.device, chunk=s.shape, n_layers=a.n_layers,
-                              torch=torch.__version__)  # CPU and CUDA kernels, or torch versions, may round apart
-        self.kv, self.store, self.keys = kv_store, s, chunk_keys(run, prompt_ids, cache.chunk_size)
-        self.P, self.adopted, self.stored, self.pending = len(prompt_ids), 0, [], None
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")  # fsyncs stay off the critical path
+        model_args = model.args
+        store = cache.store
+        # CPU and CUDA kernels, or torch versions, may round apart
+        run = run_fingerprint(fingerprint, dtype=store.dtype, device=store.device,
+                              chunk=store.shape, n_layers=model_args.n_layers,
+                              torch=torch.__version__)
+        self.kv = kv_store
+        self.store = store
+        self.keys = chunk_keys(run, prompt_ids, cache.chunk_size)
+        self.P = len(prompt_ids)
+        self.adopted = 0
+        self.stored = []
+        self.pending = None
+        # fsyncs stay off the critical path
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.bytes_read = 0
 
     def adopt(self, cache):
-        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks and seal them,
-        so they land where this run's --offload and --window put any chunk. At least one prompt token is left
-        to compute: its logits start the decoding."""
-        C, s = cache.chunk_size, self.store
+        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks
+        and seal them, so they land where this run's --offload and --window put any chunk. At least
+        one prompt token is left to compute: its logits start the decoding."""
+        C = cache.chunk_size
+        s = self.store
         n = min(self.kv.lookup(self.keys), (self.P - 1) // C)
         while cache.n_sealed < n:
             j = cache.n_sealed
-            host = [s.open_chunk(l) if not s.cuda else torch.empty(s.shape, dtype=s.dtype) for l in range(s.n_layers)]
+            if s.cuda:  # read on the host, then copied into the open chunk on the device
+                host = [torch.empty(s.shape, dtype=s.dtype) for _ in range(s.n_layers)]
+            else:  # read straight into the open chunk
+                host = [s.open_chunk(l) for l in range(s.n_layers)]
             got = self.kv.read(self.keys[j], host)
             if not got:  # evicted or corrupt since lookup: compute from here on
                 break
@@ -200,16 +259,18 @@ class PromptCache:
                     s.open_chunk(l).copy_(host[l])
             cache.begin(C)
             cache.commit()
-            s.seal(j)                                 # data: as after a prefill step, the window policy places it
+            s.seal(j)  # data: as after a prefill step, the window policy places it
         self.adopted = cache.n_sealed
 
     def store_sealed(self, cache):
-        """After a prefill step: a prompt chunk this run computed and has just sealed is stored, once the previous
-        store write has finished (one in flight: at most one chunk of host copies waits)."""
+        """After a prefill step: a prompt chunk this run computed and has just sealed is stored,
+        once the previous store write has finished (one write in flight: at most one chunk of host
+        copies waits)."""
         j = cache.n_sealed - 1
         if cache.length % cache.chunk_size or j < self.adopted or j >= len(self.keys):
             return
-        host = [torch.empty(self.store.shape, dtype=self.store.dtype) for _ in range(self.store.n_layers)]
+        host = [torch.empty(self.store.shape, dtype=self.store.dtype)
+                for _ in range(self.store.n_layers)]
         for l, dst in enumerate(host):
             self.store.read_back(l, j, dst)
         if self.pending is not None:
@@ -222,5 +283,7 @@ class PromptCache:
             self.stored.append(self.pending.result())
         self.writer.shutdown(wait=True)
         C = self.store.chunk_size
-        return {"reused_tokens": self.adopted * C, "stored_tokens": sum(n > 0 for n in self.stored) * C,
-                "store_bytes_read": self.bytes_read, "store_bytes_written": sum(self.stored)}
+        return {"reused_tokens": self.adopted * C,
+                "stored_tokens": sum(n > 0 for n in self.stored) * C,
+                "store_bytes_read": self.bytes_read,
+                "store_bytes_written": sum(self.stored)}
