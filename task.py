@@ -118,7 +118,8 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             resumed_from = cache.length
             prompt_cache = None
             if kv_store:
-                prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model)
+                prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model,
+                                           layout)
                 prompt_cache.adopt(cache)
 
             def step(phase, logits, cache):
@@ -219,7 +220,7 @@ class PromptCache:
     for bit what recomputing it gives. Chunks filled one generated token at a time (a second turn of
     a dialogue) are never stored."""
 
-    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
+    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model, layout=None):
         model_args = model.args
         store = cache.store
         # CPU and CUDA kernels, or torch versions, may round apart
@@ -228,6 +229,7 @@ class PromptCache:
                               torch=torch.__version__)
         self.kv = kv_store
         self.store = store
+        self.layout = layout or Layout.single()
         self.keys = chunk_keys(run, prompt_ids, cache.chunk_size)
         self.P = len(prompt_ids)
         self.adopted = 0
@@ -240,10 +242,11 @@ class PromptCache:
     def adopt(self, cache):
         """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks
         and seal them, so they land where this run's --offload and --window put any chunk. At least
-        one prompt token is left to compute: its logits start the decoding."""
+        one prompt token is left to compute: its logits start the decoding. The ranks of a replica
+        adopt the same prefix: the longest that every rank's store holds."""
         C = cache.chunk_size
         s = self.store
-        n = min(self.kv.lookup(self.keys), (self.P - 1) // C)
+        n = (self.P - 1) // C
         while cache.n_sealed < n:
             j = cache.n_sealed
             if s.cuda:  # read on the host, then copied into the open chunk on the device
@@ -251,7 +254,8 @@ class PromptCache:
             else:  # read straight into the open chunk
                 host = [s.open_chunk(l) for l in range(s.n_layers)]
             got = self.kv.read(self.keys[j], host)
-            if not got:  # evicted or corrupt since lookup: compute from here on
+            # a miss here or on another rank (not stored, evicted, corrupt): compute from here on
+            if not agree_min(int(got > 0), self.layout):
                 break
             self.bytes_read += got
             if s.cuda:
