@@ -6,7 +6,7 @@ produced them.
         <key>.kv        one prompt chunk, every layer; 0600; <key> is 64 hex digits
         .tmp-<key>-<pid>-<random>
                         a write in progress, renamed over <key>.kv once complete and synced
-        <key>.claim     a task is computing this chunk now (optional: claim / wait_for / release)
+        <key>.claim     a task is computing this chunk now: "<host> <pid>" (see claim())
 
 Why reuse is exact: attention's schedule (kvcache.py) depends on positions and the chunk size only,
 so the K and V of prompt chunk j are a function of the model, the run's settings and the tokens at
@@ -32,7 +32,9 @@ and renamed into place, so a reader sees no entry, an older entry or the new one
 one; two writers of one key write the same bytes and one rename simply wins. A reader holds its file
 open, so an eviction meanwhile cannot cut it short; a file that vanishes before it is opened is a
 miss. Every read checks the CRCs: a failing entry is a miss and is removed (only if the path still
-names the file that failed), so the caller recomputes and writes it again.
+names the file that failed), so the caller recomputes and writes it again. Claims let tasks that
+start together compute a shared chunk once (claim, then write and release; or wait_for the entry):
+task.PromptCache says how.
 """
 import argparse
 import errno
@@ -40,6 +42,7 @@ import hashlib
 import os
 import re
 import secrets
+import socket
 import struct
 import sys
 import threading
@@ -60,7 +63,8 @@ ENTRY = re.compile(r"^[0-9a-f]{64}\.kv$")
 CLAIM = re.compile(r"^[0-9a-f]{64}\.claim$")
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600                    # a temporary file this old belongs to a writer that died
-STALE_CLAIM_S = 600                    # a claim this old: its task died while computing its chunk
+STALE_CLAIM_S = 600                    # a claim not renewed this long: its task died (or hangs)
+HOST = socket.gethostname()            # a claim made on this machine names its process: see claim()
 
 
 class StoreError(RuntimeError):
@@ -345,20 +349,35 @@ class KVStore:
 
     def claim(self, key):
         """Announce that this process computes key's chunk. True: go ahead (write, then release).
-        False: another task is computing it: wait_for() it, or compute it anyway. Either way the
-        store stays whole (atomic entries, and every writer of a key writes the same bytes); a race
-        on a stale claim at worst computes a chunk twice."""
+        False: another task is computing it: wait_for() it, or compute it anyway (False too where
+        the store takes no claims: a read-only one). A void claim is taken over: its process, on
+        this machine, is gone, or it was not renewed for STALE_CLAIM_S. Either way the store stays
+        whole (atomic entries, and every writer of a key writes the same bytes); a race on a void
+        claim at worst computes a chunk twice."""
         p = self.path(key, ".claim")
-        try:
-            if time.time() - os.stat(p).st_mtime >= STALE_CLAIM_S:
+        if claim_is_void(p):
+            try:
                 os.unlink(p)  # its task died while computing, or gave up without release()
-        except FileNotFoundError:
-            pass
+            except OSError:
+                pass
         try:
-            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            return True
-        except FileExistsError:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:  # another task's claim, or a store that takes none
             return False
+        try:
+            os.write(fd, f"{HOST} {os.getpid()}\n".encode())
+        except OSError:
+            pass  # a full disk: the claim stands, judged by its age alone
+        finally:
+            os.close(fd)
+        return True
+
+    def renew(self, key):
+        """This process still computes key's chunk: its claim's age starts again."""
+        try:
+            os.utime(self.path(key, ".claim"))
+        except OSError:
+            pass
 
     def release(self, key):
         """Drop this process's claim on key:
@@ -367,15 +386,38 @@ class KVStore:
 
     def wait_for(self, key, timeout_s, poll_s=0.05):
         """Wait while another task claims key and its entry is absent. True if the entry is there
-        now; False on timeout or when the claim went away without an entry (then compute the
-        chunk yourself)."""
+        now; False on timeout, or when the claim went away or became void without an entry (then
+        compute the chunk yourself)."""
         entry = self.path(key)
         claim = self.path(key, ".claim")
         deadline = time.monotonic() + timeout_s
-        while (not os.path.exists(entry) and os.path.exists(claim)
-               and time.monotonic() < deadline):
+        while not os.path.exists(entry) and time.monotonic() < deadline:
+            if not os.path.exists(claim) or claim_is_void(claim):
+                break
             time.sleep(poll_s)
         return os.path.exists(entry)
+
+
+def claim_is_void(path):
+    """A claim that no longer stands: not renewed for STALE_CLAIM_S, or made by a process of this
+    machine that is gone (killed while computing). False when there is no claim."""
+    try:
+        with open(path, "rb") as f:
+            owner = f.read(256).split()
+            age = time.time() - os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return False
+    if age >= STALE_CLAIM_S:
+        return True
+    if len(owner) != 2 or owner[0] != HOST.encode() or not owner[1].isdigit():
+        return False  # another machine's (or one still being written): its age decides
+    try:
+        os.kill(int(owner[1]), 0)  # signal 0: is the process there?
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # there, but not ours to signal
+    return False
 
 
 def write_all(fd, data):

@@ -12,7 +12,7 @@ import torch
 
 from generate import Sampling, generate
 from kvcache import make_cache
-from kvstore import chunk_keys
+from kvstore import STALE_CLAIM_S, chunk_keys
 from monitor import host_memory, process_io
 from pools import on_cuda
 from quantize import weight_bytes
@@ -98,6 +98,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
 
     ok = False
     cache = None
+    prompt_cache = None
     # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait
     # for each other
     stream = torch.cuda.Stream(device) if on_cuda(device) else None
@@ -116,7 +117,6 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                     "recomputing from there")
             cache.length = restored * chunk_size
             resumed_from = cache.length
-            prompt_cache = None
             if kv_store:
                 prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model,
                                            layout)
@@ -135,6 +135,8 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                 stats.update(prompt_cache.finish())
         ok = True
     finally:
+        if prompt_cache is not None:
+            prompt_cache.close()  # a failed task's claims end here: its waiters compute
         if cache is not None:
             cache.store.close()
         if taskdir:
@@ -218,7 +220,15 @@ class PromptCache:
     positions [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose
     result depends only on the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit
     for bit what recomputing it gives. Chunks filled one generated token at a time (a second turn of
-    a dialogue) are never stored."""
+    a dialogue) are never stored.
+
+    Tasks that start together compute a shared chunk once: a task claims the chunks it is about to
+    compute (kvstore.KVStore.claim), and another task that needs one of them waits for its entry
+    instead of computing it too. A task waits only before it has claimed anything, and a claim
+    ends when its chunk is stored, its task fails, or its process dies, so no two tasks ever wait
+    for each other; a wait that ends without an entry means computing the chunk here. Not under
+    tensor parallelism: a rank that waits while another rank of its replica does not would split
+    the replica's steps, so its ranks only adopt what is already stored."""
 
     def __init__(self, kv_store, cache, prompt_ids, fingerprint, model, layout=None):
         model_args = model.args
@@ -230,9 +240,11 @@ class PromptCache:
         self.kv = kv_store
         self.store = store
         self.layout = layout or Layout.single()
+        self.share = self.layout.tp == 1  # claim and wait (see above)
         self.keys = chunk_keys(run, prompt_ids, cache.chunk_size)
         self.P = len(prompt_ids)
         self.adopted = 0
+        self.claimed = set()  # keys this task computes; each claim is released once stored
         self.stored = []
         self.pending = None
         # fsyncs stay off the critical path
@@ -243,7 +255,8 @@ class PromptCache:
         """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks
         and seal them, so they land where this run's --offload and --window put any chunk. At least
         one prompt token is left to compute: its logits start the decoding. The ranks of a replica
-        adopt the same prefix: the longest that every rank's store holds."""
+        adopt the same prefix: the longest that every rank's store holds. Then claim the chunks
+        this task computes."""
         C = cache.chunk_size
         s = self.store
         n = (self.P - 1) // C
@@ -253,7 +266,7 @@ class PromptCache:
                 host = [torch.empty(s.shape, dtype=s.dtype) for _ in range(s.n_layers)]
             else:  # read straight into the open chunk
                 host = [s.open_chunk(l) for l in range(s.n_layers)]
-            got = self.kv.read(self.keys[j], host)
+            got = self.fetch(j, host)
             # a miss here or on another rank (not stored, evicted, corrupt): compute from here on
             if not agree_min(int(got > 0), self.layout):
                 break
@@ -265,6 +278,30 @@ class PromptCache:
             cache.commit()
             s.seal(j)  # data: as after a prefill step, the window policy places it
         self.adopted = cache.n_sealed
+        if not self.share:
+            return
+        for key in self.keys[self.adopted:]:
+            # a chunk another task claimed first is computed here too: only work is lost
+            if key not in self.claimed and self.kv.claim(key):
+                self.claimed.add(key)
+
+    def fetch(self, j, host):
+        """Read chunk j into host: the bytes read, or 0 when this task is to compute the chunk. A
+        chunk that another task is computing now is waited for, then read."""
+        key = self.keys[j]
+        got = self.kv.read(key, host)
+        if got or not self.share:
+            return got
+        if self.kv.claim(key):  # nobody computes it: this task will, unless it was stored just now
+            got = self.kv.read(key, host)
+            if got:
+                self.kv.release(key)
+            else:
+                self.claimed.add(key)
+            return got
+        if self.kv.wait_for(key, timeout_s=STALE_CLAIM_S):
+            return self.kv.read(key, host)
+        return 0  # its task failed or died, or hangs: compute it here
 
     def store_sealed(self, cache):
         """After a prefill step: a prompt chunk this run computed and has just sealed is stored,
@@ -277,15 +314,37 @@ class PromptCache:
                 for _ in range(self.store.n_layers)]
         for l, dst in enumerate(host):
             self.store.read_back(l, j, dst)
+        if j + 1 < len(self.keys) and self.keys[j + 1] in self.claimed:
+            self.kv.renew(self.keys[j + 1])  # the next chunk is under way: its claim stays fresh
         if self.pending is not None:
             self.stored.append(self.pending.result())
-        self.pending = self.writer.submit(self.kv.write, self.keys[j], host)
+        self.pending = self.writer.submit(self.write, self.keys[j], host)
+
+    def write(self, key, host):
+        """Writer thread: store one chunk, then release its claim (a waiter adopts the entry, or
+        computes the chunk itself if the write failed)."""
+        try:
+            return self.kv.write(key, host)
+        finally:
+            self.release(key)
+
+    def release(self, key):
+        if key in self.claimed:
+            self.claimed.discard(key)
+            self.kv.release(key)
+
+    def close(self):
+        """Wait for the store write in flight, then release every claim still held: a task that
+        fails leaves none behind, so its waiters compute those chunks themselves."""
+        self.writer.shutdown(wait=True)
+        for key in list(self.claimed):
+            self.release(key)
 
     def finish(self):
         """Wait for the last store write; the task's reuse statistics."""
         if self.pending is not None:
             self.stored.append(self.pending.result())
-        self.writer.shutdown(wait=True)
+        self.close()
         C = self.store.chunk_size
         return {"reused_tokens": self.adopted * C,
                 "stored_tokens": sum(n > 0 for n in self.stored) * C,
