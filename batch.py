@@ -1,12 +1,15 @@
-"""
-Batch mode: many prompts from a JSONL file, run concurrently, each task with its own cache and directory.
+r"""
+Batch mode: many prompts from a JSONL file, run concurrently, each task with its own cache and
+directory.
 
-    python generate.py --ckpt DIR --prompts tasks.jsonl --output results.jsonl --concurrency 2 --offload disk
+    python generate.py --ckpt DIR --prompts tasks.jsonl --output results.jsonl \
+        --concurrency 2 --offload disk
 
-Built to be killed: a result line is written whole (one write, then fsync) or not at all; a rerun of the same
-command skips ids already in the output and resumes unfinished tasks from their disk tier (see taskdir.py).
-A disk that fills up sends a task to the host tier (if --fallback-cpu-budget allows) or to a shorter context (if
---fallback-context allows); otherwise that task fails with one line. One failed task never stops the others.
+Built to be killed: a result line is written whole (one write, then fsync) or not at all; a rerun of
+the same command skips ids already in the output and resumes unfinished tasks from their disk tier
+(see taskdir.py). A disk that fills up sends a task to the host tier (if --fallback-cpu-budget
+allows) or to a shorter context (if --fallback-context allows); otherwise that task fails with one
+line. One failed task never stops the others.
 """
 import dataclasses
 import fcntl
@@ -25,13 +28,16 @@ from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import messages_problem
 from tp import Layout
 
-TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,), "temperature": (int, float),
-               "seed": (int,)}
+TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,),
+               "temperature": (int, float), "seed": (int,)}
 
 
 def read_tasks(path):
-    """(tasks, errors): each task a dict with at least id and prompt; each error one line naming the input line."""
-    tasks, errors, seen = [], [], set()
+    """(tasks, errors): each task a dict with at least id and prompt;
+    each error one line naming the input line."""
+    tasks = []
+    errors = []
+    seen = set()
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -49,7 +55,8 @@ def read_tasks(path):
             if problem:
                 errors.append(f"{path} line {n}: {problem}; skipped")
             elif str(task["id"]) in seen:
-                errors.append(f"{path} line {n}: duplicate id {task['id']!r}; skipped (the first one runs)")
+                errors.append(f"{path} line {n}: duplicate id {task['id']!r}; skipped "
+                              "(the first one runs)")
             else:
                 seen.add(str(task["id"]))
                 tasks.append({**task, "id": str(task["id"])})
@@ -74,19 +81,23 @@ def task_problem(task):
 
 
 class Results:
-    """The output JSONL: append-only, one os.write per line followed by fsync, so a line is whole or absent."""
+    """The output JSONL: append-only, one os.write per line followed by fsync,
+    so a line is whole or absent."""
 
     def __init__(self, path, log):
-        self.path, self.lock = path, threading.Lock()
+        self.path = path
+        self.lock = threading.Lock()
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError as e:
             raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
         self.done = set()
-        with self.locked():  # other processes (replicas under torchrun) may append to the same file
+        # other processes (replicas under torchrun) may append to the same file
+        with self.locked():
             with open(path, "rb") as f:
                 data = f.read()
-            if data and not data.endswith(b"\n"):  # only a crash of another writer can leave this; drop the tail
+            # only a crash of another writer can leave this; drop the tail
+            if data and not data.endswith(b"\n"):
                 keep = data.rfind(b"\n") + 1
                 os.ftruncate(self.fd, keep)
                 log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
@@ -99,7 +110,7 @@ class Results:
 
     @contextmanager
     def locked(self):
-        """This thread alone, and this process alone among those sharing the file (an flock on it)."""
+        """This thread alone, and this process alone of those sharing the file (an flock on it)."""
         with self.lock:
             fcntl.flock(self.fd, fcntl.LOCK_EX)
             try:
@@ -112,7 +123,8 @@ class Results:
         with self.locked():  # whole lines, never interleaved with another writer's
             view = memoryview(line)
             while view:
-                view = view[os.write(self.fd, view):]
+                n = os.write(self.fd, view)
+                view = view[n:]
             os.fsync(self.fd)
 
     def close(self):
@@ -120,21 +132,25 @@ class Results:
 
 
 def run_batch(args, cfg, monitor, run_one, layout=None):
-    """Run every task not yet in the output; returns the exit code (0 only if every task succeeded). Under torchrun
-    (layout) each replica runs its share of the tasks (launch.my_tasks) and its leader appends their results."""
+    """Run every task not yet in the output; returns the exit code (0 only if every task
+    succeeded). Under torchrun (layout) each replica runs its share of the tasks (launch.my_tasks)
+    and its leader appends their results."""
     layout = layout or Layout.single()
-    log, started = monitor.log, time.perf_counter()
+    log = monitor.log
+    started = time.perf_counter()
     if layout.tp > 1 and args.concurrency > 1:
-        raise ValueError("--concurrency above 1 is not combined with --tp above 1 (the ranks of a replica step "
-                         "together); run more replicas instead: a smaller --tp")
+        raise ValueError("--concurrency above 1 is not combined with --tp above 1 (the ranks of a "
+                         "replica step together); run more replicas instead: a smaller --tp")
     tasks, errors = read_tasks(args.prompts)
     for e in errors:
         log(e)
     results = Results(args.output, log)
     todo = [t for t in tasks if t["id"] not in results.done]
     if len(todo) < len(tasks):
-        log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; skipping them")
-    todo = launch.from_leader(launch.my_tasks(todo, layout), layout)  # the ranks of a replica run the same list
+        log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; "
+            "skipping them")
+    # the ranks of a replica run the same list
+    todo = launch.from_leader(launch.my_tasks(todo, layout), layout)
     if layout.n_replicas > 1:
         log(f"group {layout.replica} of {layout.n_replicas}: {len(todo)} tasks")
 
@@ -143,21 +159,26 @@ def run_batch(args, cfg, monitor, run_one, layout=None):
             result = with_fallbacks(task, args, cfg, run_one, log)
             if layout.is_leader:
                 results.append(result)
-            monitor.task_finished(task["id"], {**result["stats"], "prompt_tokens": result["prompt_tokens"]})
-        except Exception as e:  # one failed task never stops the others (but a replica's ranks must agree: stop)
+            stats = {**result["stats"], "prompt_tokens": result["prompt_tokens"]}
+            monitor.task_finished(task["id"], stats)
+        except Exception as e:
+            # one failed task never stops the others (but a replica's ranks must agree: stop)
             if layout.tp > 1:
                 raise
             monitor.task_finished(task["id"], error=one_line(e))
             log(f"task {task['id']}: FAILED: {one_line(e)}")
 
     with ThreadPoolExecutor(max(1, args.concurrency), thread_name_prefix="task") as pool:
-        list(pool.map(one, todo))
+        futures = [pool.submit(one, task) for task in todo]
+        for future in futures:
+            future.result()  # a failure that stops the replica (tensor parallel) is raised here
     results.close()
     for e in errors:
         monitor.totals["failed"].append(("input", e))
     monitor.totals["wall_s"] = time.perf_counter() - started
     if layout.n_replicas > 1:
-        log(f"group {layout.replica}: " + monitor.summary().replace("\n", f"\ngroup {layout.replica}: "))
+        prefix = f"group {layout.replica}: "
+        log(prefix + monitor.summary().replace("\n", "\n" + prefix))
     totals, _ = launch.batch_totals(monitor.totals, layout)  # every replica's share meets on rank 0
     if layout.rank == 0:
         print(monitor.summary(totals), file=sys.stderr, flush=True)
@@ -165,37 +186,43 @@ def run_batch(args, cfg, monitor, run_one, layout=None):
 
 
 def with_fallbacks(task, args, cfg, run_one, log):
-    """Run a task; if its disk tier cannot be written, retry it on the host tier or on a shorter context.
-    Every tier gives bit-identical output, so the host fallback changes nothing but where the bytes live."""
+    """Run a task; if its disk tier cannot be written, retry it on the host tier or on a shorter
+    context. Every tier gives bit-identical output, so the host fallback changes nothing but where
+    the bytes live."""
     try:
         return run_one(task, cfg)
     except (DiskError, OSError) as e:
         if cfg.mode != "disk" or e.errno not in DISK_FULL:
             raise
         where = os.path.join(cfg.offload_dir, safe_task_name(task["id"]))
-        cause = str(e.strerror or e) + ("" if where in str(e.strerror) else f" in {where}")
+        cause = str(e.strerror or e)
+        if where not in str(e.strerror):
+            cause += f" in {where}"
     if args.fallback_cpu_budget:
         log(f"task {task['id']}: the disk tier failed ({cause}); falling back to host memory "
             f"(--fallback-cpu-budget {args.fallback_cpu_budget} GiB)")
+        host_cfg = dataclasses.replace(cfg, mode="cpu", compress="none",
+                                       cpu_budget_gib=args.fallback_cpu_budget)
         try:
-            result = run_one(task, dataclasses.replace(cfg, mode="cpu", compress="none",
-                                                       cpu_budget_gib=args.fallback_cpu_budget))
+            result = run_one(task, host_cfg)
             discard_task_dir(cfg.offload_dir, task["id"])
             return result
         except OffloadError as e:
             log(f"task {task['id']}: host fallback impossible: {e}")
     if args.fallback_context:
-        log(f"task {task['id']}: the disk tier failed ({cause}); continuing on the last {args.fallback_context} "
-            "tokens of the context, on the device")
-        result = run_one(task, dataclasses.replace(cfg, mode="none", compress="none"), context=args.fallback_context)
+        log(f"task {task['id']}: the disk tier failed ({cause}); continuing on the last "
+            f"{args.fallback_context} tokens of the context, on the device")
+        device_cfg = dataclasses.replace(cfg, mode="none", compress="none")
+        result = run_one(task, device_cfg, context=args.fallback_context)
         discard_task_dir(cfg.offload_dir, task["id"])
         return result
-    raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a fallback with "
-                       "--fallback-cpu-budget GIB or --fallback-context N")
+    raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a "
+                       "fallback with --fallback-cpu-budget GIB or --fallback-context N")
 
 
 def discard_task_dir(root, task_id):
-    """The disk tier's leftovers are useless once the task finished elsewhere: remove them (if we can)."""
+    """The disk tier's leftovers are useless once the task finished elsewhere:
+    remove them (if we can)."""
     try:
         TaskDir(root, task_id).close(remove=True)
     except (TaskDirError, OSError):

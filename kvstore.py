@@ -1,30 +1,40 @@
 """
-The persistent KV store: prompt chunks kept on disk across runs and tasks, found again by what produced them.
+The persistent KV store: prompt chunks kept on disk across runs and tasks, found again by what
+produced them.
 
-    store/                          0700, owned by the user (an entry is trusted KV: nobody else may plant one)
-        <key>.kv                    one prompt chunk, every layer; 0600; <key> is 64 hex digits
-        .tmp-<key>-<pid>-<random>   a write in progress, renamed over <key>.kv once complete and synced
-        <key>.claim                 a task is computing this chunk now (optional: claim / wait_for / release)
+    store/              0700, owned by the user (an entry is trusted KV: nobody else may plant one)
+        <key>.kv        one prompt chunk, every layer; 0600; <key> is 64 hex digits
+        .tmp-<key>-<pid>-<random>
+                        a write in progress, renamed over <key>.kv once complete and synced
+        <key>.claim     a task is computing this chunk now: "<host> <pid>" (see claim())
 
-Why reuse is exact: attention's schedule (kvcache.py) depends on positions and the chunk size only, so the K and V
-of prompt chunk j are a function of the model, the run's settings and the tokens at positions [0, (j+1)*C), and
-nothing else. The key hashes exactly those, chained so that a chunk's key vouches for every token before it:
-    key_{-1} = sha256(run fingerprint)        model content, dtype, quantization, C, rope, layout, device, torch
+Why reuse is exact: attention's schedule (kvcache.py) depends on positions and the chunk size only,
+so the K and V of prompt chunk j are a function of the model, the run's settings and the tokens at
+positions [0, (j+1)*C), and nothing else. The key hashes exactly those, chained so that a chunk's
+key vouches for every token before it:
+    key_{-1} = sha256(run fingerprint)     model content, dtype, quantization, C, rope, layout,
+                                           device, torch
     key_j    = sha256(key_{j-1} || ids of chunk j as int64 little-endian)
-Two runs that agree on a key computed the same bytes, so adopting them is the same as recomputing them.
+Two runs that agree on a key computed the same bytes, so adopting them is the same as recomputing
+them.
 
 One entry (little-endian):
-    header   magic b"KVS1", compression u8 (0 raw, 1 zstd), itemsize u8, n_layers u32, chunk_bytes u64, key 32 bytes
+    header   magic b"KVS1", compression u8 (0 raw, 1 zstd), itemsize u8, n_layers u32,
+             chunk_bytes u64, key 32 bytes
     table    n_layers x (stored length u64, CRC32 u32 of the stored blob)
     hcrc     CRC32 u32 of header and table
-    payload  the blob of layer 0, layer 1, ..., each starting on a 4 KiB boundary (zero padding): a chunk
-             [2, B, G, C, D] as raw bytes, or zstd of its byte planes (disk.split_planes, as --compress zstd)
+    payload  the blob of layer 0, layer 1, ..., each starting on a 4 KiB boundary (zero padding):
+             a chunk [2, B, G, C, D] as raw bytes, or zstd of its byte planes (disk.split_planes,
+             as --compress zstd)
 
-Concurrency (several processes, one store): a write goes to a private temporary file, is fsynced and renamed into
-place, so a reader sees no entry, an older entry or the new one, never part of one; two writers of one key write the
-same bytes and one rename simply wins. A reader holds its file open, so an eviction meanwhile cannot cut it short;
-a file that vanishes before it is opened is a miss. Every read checks the CRCs: a failing entry is a miss and is
-removed (only if the path still names the file that failed), so the caller recomputes and writes it again.
+Concurrency (several processes, one store): a write goes to a private temporary file, is fsynced
+and renamed into place, so a reader sees no entry, an older entry or the new one, never part of
+one; two writers of one key write the same bytes and one rename simply wins. A reader holds its file
+open, so an eviction meanwhile cannot cut it short; a file that vanishes before it is opened is a
+miss. Every read checks the CRCs: a failing entry is a miss and is removed (only if the path still
+names the file that failed), so the caller recomputes and writes it again. Claims let tasks that
+start together compute a shared chunk once (claim, then write and release; or wait_for the entry):
+task.PromptCache says how.
 """
 import argparse
 import errno
@@ -32,6 +42,7 @@ import hashlib
 import os
 import re
 import secrets
+import socket
 import struct
 import sys
 import threading
@@ -48,10 +59,12 @@ HEADER = struct.Struct("<4sBBIQ32s")  # magic, compression, itemsize, n_layers, 
 LAYER = struct.Struct("<QI")           # stored length, CRC32
 HCRC = struct.Struct("<I")
 COMPRESSIONS = ("none", "zstd")        # index = the code in the header
-ENTRY, CLAIM = re.compile(r"^[0-9a-f]{64}\.kv$"), re.compile(r"^[0-9a-f]{64}\.claim$")
+ENTRY = re.compile(r"^[0-9a-f]{64}\.kv$")
+CLAIM = re.compile(r"^[0-9a-f]{64}\.claim$")
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600                    # a temporary file this old belongs to a writer that died
-STALE_CLAIM_S = 600                    # a claim this old belongs to a task that died while computing its chunk
+STALE_CLAIM_S = 600                    # a claim not renewed this long: its task died (or hangs)
+HOST = socket.gethostname()            # a claim made on this machine names its process: see claim()
 
 
 class StoreError(RuntimeError):
@@ -59,17 +72,20 @@ class StoreError(RuntimeError):
 
 
 class Rejected(Exception):
-    """An entry that must not be used (torn, corrupt, or made for other buffers); the message says why."""
+    """An entry that must not be used (torn, corrupt, or made for other buffers);
+    the message says why."""
 
 
 # -----------------------------------------------------------------------------
 # keys
 
 def chunk_keys(run_fp, ids, C):
-    """Keys of the full chunks of ids (a list or 1-D tensor of token ids) at chunk size C: key j stands for
-    positions [0, (j+1)*C) under run_fp. A partial last chunk has no key (its KV is not final)."""
+    """Keys of the full chunks of ids (a list or 1-D tensor of token ids) at chunk size C:
+    key j stands for positions [0, (j+1)*C) under run_fp.
+    A partial last chunk has no key (its KV is not final)."""
     ids = np.asarray(ids, dtype="<i8")
-    h, keys = hashlib.sha256(run_fp.encode("utf-8")).digest(), []
+    h = hashlib.sha256(run_fp.encode("utf-8")).digest()
+    keys = []
     for j in range(len(ids) // C):
         h = hashlib.sha256(h + ids[j * C:(j + 1) * C].tobytes()).digest()
         keys.append(h.hex())
@@ -77,11 +93,12 @@ def chunk_keys(run_fp, ids, C):
 
 
 def flat_bytes(buf):
-    """A contiguous host tensor or numpy array -> its bytes as a flat uint8 numpy array, no copy (a copy would
-    silently swallow what read() writes into it)."""
+    """A contiguous host tensor or numpy array -> its bytes as a flat uint8 numpy array, no copy (a
+    copy would silently swallow what read() writes into it)."""
     if isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu" or not buf.is_contiguous():
-            raise ValueError("store buffers must be contiguous host tensors; copy the chunk to the host first")
+            raise ValueError("store buffers must be contiguous host tensors; copy the chunk to "
+                             "the host first")
         return as_bytes(buf)
     if not buf.flags.c_contiguous:
         raise ValueError("store buffers must be C-contiguous numpy arrays")
@@ -93,13 +110,14 @@ def flat_bytes(buf):
 
 class KVStore:
     """A directory of entries, shared by any number of processes; safe to use from several threads.
-    budget_gib: evict least recently used entries after each write to stay under it (None = no limit).
-    compress: how this process writes entries ("none" or "zstd"); reads follow each entry's header."""
+    budget_gib: evict least recently used entries after a write to stay under it (None = no limit).
+    compress: how this process writes ("none" or "zstd"); reads follow each entry's header."""
 
     def __init__(self, root, budget_gib=None, compress="none", create=True):
         if compress not in COMPRESSIONS:
             raise StoreError(f"compression must be one of {COMPRESSIONS}, got {compress!r}")
-        self.root, self.compress = root, compress
+        self.root = root
+        self.compress = compress
         self.budget = None if budget_gib is None else int(budget_gib * 2**30)
         try:
             if create:
@@ -108,12 +126,12 @@ class KVStore:
         except OSError as e:
             raise StoreError(f"{root}: cannot use it as the KV store ({e.strerror})") from None
         if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise StoreError(f"{root} is open to other users (mode {st.st_mode & 0o777:o}, owner {st.st_uid}); "
-                             "chmod 700 a directory of your own, or choose another")
+            raise StoreError(f"{root} is open to other users (mode {st.st_mode & 0o777:o}, owner "
+                             f"{st.st_uid}); chmod 700 a directory of your own, or choose another")
         self.lock = threading.Lock()
         self.last_rejection = None
-        self.stats = {"bytes_read": 0, "bytes_written": 0, "reused": 0, "stored": 0, "misses": 0, "rejected": 0,
-                      "evicted": 0, "write_failures": 0}
+        self.stats = {"bytes_read": 0, "bytes_written": 0, "reused": 0, "stored": 0, "misses": 0,
+                      "rejected": 0, "evicted": 0, "write_failures": 0}
 
     def _count(self, **n):
         with self.lock:
@@ -121,24 +139,27 @@ class KVStore:
                 self.stats[k] += v
 
     def path(self, key, suffix=".kv"):
-        if not re.fullmatch(r"[0-9a-f]{64}", key):  # a key is a file name: nothing else may reach the directory
+        # a key is a file name: nothing else may reach the directory
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
             raise ValueError(f"not a store key: {key!r}")
         return os.path.join(self.root, key + suffix)
 
     def lookup(self, keys):
-        """How many keys, from the first, have an entry: the longest stored prefix (not yet validated: read() is)."""
+        """How many keys, from the first, have an entry: the longest stored prefix (not yet
+        validated: read() is)."""
         n = 0
         while n < len(keys) and os.path.exists(self.path(keys[n])):
             n += 1
         return n
 
-    # ---- read ----------------------------------------------------------------------------------------------
+    # ---- read -----------------------------------------------------------------------------
 
     def read(self, key, buffers):
-        """Fill buffers (one per layer: a contiguous host tensor or numpy array holding a chunk [2, B, G, C, D])
-        with the entry's KV. Returns the bytes read from the file, or 0 for a miss: no entry, or one rejected
-        (corrupt, torn, or made for other buffers), which is then removed so that the next write replaces it.
-        A miss may leave the buffers half filled: recompute the chunk into them."""
+        """Fill buffers (one per layer: a contiguous host tensor or numpy array holding a chunk
+        [2, B, G, C, D]) with the entry's KV. Returns the bytes read from the file, or 0 for a miss:
+        no entry, or one rejected (corrupt, torn, or made for other buffers), which is then removed
+        so that the next write replaces it. A miss may leave the buffers half filled: recompute the
+        chunk into them."""
         path = self.path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -165,21 +186,26 @@ class KVStore:
         flats = [flat_bytes(b) for b in buffers]
         head = self._pread(fd, HEADER.size, 0)
         magic, code, itemsize, n_layers, chunk_bytes, stored_key = HEADER.unpack(head)
-        if magic != MAGIC or n_layers > 1 << 16:  # a sanity bound before the layer count sizes a read
+        # a sanity bound before the layer count sizes a read
+        if magic != MAGIC or n_layers > 1 << 16:
             raise Rejected("not an entry of this store")
         table = self._pread(fd, n_layers * LAYER.size + HCRC.size, HEADER.size)
         if zlib.crc32(head + table[:-HCRC.size]) != HCRC.unpack(table[-HCRC.size:])[0]:
             raise Rejected("its header fails its checksum")
         if stored_key != bytes.fromhex(key) or code >= len(COMPRESSIONS):
             raise Rejected("it holds another key, or an unknown compression")
-        if n_layers != len(flats) or any(f.nbytes != chunk_bytes for f in flats) or itemsize != buffers[0].itemsize:
-            raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, {itemsize} per element: "
-                           "the run fingerprint misses a setting")
+        same_sizes = all(f.nbytes == chunk_bytes for f in flats)
+        if n_layers != len(flats) or not same_sizes or itemsize != buffers[0].itemsize:
+            raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, {itemsize} "
+                           "per element: the run fingerprint misses a setting")
         off = round_up(HEADER.size + len(table), ALIGN)
         for l, dst in enumerate(flats):
             length, crc = LAYER.unpack_from(table, l * LAYER.size)
             if code == 0:  # raw: read straight into the caller's buffer, then check it
-                if length != chunk_bytes or retry(lambda: os.preadv(fd, [memoryview(dst)], off)) != length:
+                if length != chunk_bytes:
+                    raise Rejected(f"layer {l} is short")
+                got = retry(lambda: os.preadv(fd, [memoryview(dst)], off))
+                if got != length:
                     raise Rejected(f"layer {l} is short")
                 stored = dst
             else:
@@ -188,9 +214,11 @@ class KVStore:
                 raise Rejected(f"layer {l} fails its checksum")
             if code == 1:
                 import zstandard
-                planes = zstandard.ZstdDecompressor().decompress(stored, max_output_size=chunk_bytes)
+                planes = zstandard.ZstdDecompressor().decompress(stored,
+                                                                  max_output_size=chunk_bytes)
                 join_planes(planes, itemsize, dst)
-            end, off = off + length, round_up(off + length, ALIGN)
+            end = off + length
+            off = round_up(end, ALIGN)
         return end
 
     @staticmethod
@@ -208,23 +236,26 @@ class KVStore:
         except FileNotFoundError:
             pass
 
-    # ---- write ---------------------------------------------------------------------------------------------
+    # ---- write ----------------------------------------------------------------------------
 
     def write(self, key, chunks):
-        """Store one prompt chunk under key: chunks holds one contiguous host tensor or numpy array per layer, each
-        a chunk [2, B, G, C, D]. Atomic (temporary file, fsync, rename). Returns the bytes written, 0 when the key
-        is already there (same key, same bytes) or the disk refuses (full, read-only: the run goes on without it)."""
+        """Store one prompt chunk under key: chunks holds one contiguous host tensor or numpy array
+        per layer, each a chunk [2, B, G, C, D]. Atomic (temporary file, fsync, rename). Returns the
+        bytes written, 0 when the key is already there (same key, same bytes) or the disk refuses
+        (full, read-only: the run goes on without it)."""
         path = self.path(key)
         if os.path.exists(path):
             return 0
         flats = [flat_bytes(c) for c in chunks]
-        itemsize, chunk_bytes = chunks[0].itemsize, flats[0].nbytes
+        itemsize = chunks[0].itemsize
+        chunk_bytes = flats[0].nbytes
         if any(f.nbytes != chunk_bytes for f in flats):
             raise ValueError("every layer's chunk must have the same size")
         code = COMPRESSIONS.index(self.compress)
         if code == 1:
             import zstandard  # a compressor per call: one object is not thread-safe
-            blobs = [zstandard.ZstdCompressor(level=1).compress(split_planes(f, itemsize)) for f in flats]
+            blobs = [zstandard.ZstdCompressor(level=1).compress(split_planes(f, itemsize))
+                     for f in flats]
         else:
             blobs = flats
         head = HEADER.pack(MAGIC, code, itemsize, len(blobs), chunk_bytes, bytes.fromhex(key))
@@ -235,16 +266,20 @@ class KVStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 n = 0
-                for b in (head, *blobs):  # each blob starts on a page, so that a raw layer could be mapped in place
-                    n += write_all(fd, bytes(round_up(n, ALIGN) - n)) + write_all(fd, b)
-                os.fsync(fd)  # the data is on disk before the name is: a crash never leaves a torn entry
+                # each blob starts on a page, so that a raw layer could be mapped in place
+                for b in (head, *blobs):
+                    n += write_all(fd, bytes(round_up(n, ALIGN) - n))
+                    n += write_all(fd, b)
+                # the data is on disk before the name is: a crash never leaves a torn entry
+                os.fsync(fd)
             finally:
                 os.close(fd)
             os.replace(tmp, path)  # atomic; a concurrent writer of this key wrote the same bytes
             fsync_dir(self.root)
         except OSError as e:
             remove_quietly(tmp)
-            if e.errno not in DISK_FULL and e.errno != errno.ENOENT:  # ENOENT: clear() took our temporary file
+            # ENOENT: clear() took our temporary file
+            if e.errno not in DISK_FULL and e.errno != errno.ENOENT:
                 raise
             self._count(write_failures=1)
             return 0
@@ -253,10 +288,11 @@ class KVStore:
             self.evict_to_budget()
         return n
 
-    # ---- maintenance ---------------------------------------------------------------------------------------
+    # ---- maintenance ----------------------------------------------------------------------
 
     def entries(self):
-        """[(key, bytes, last use as a Unix time)], least recently used first. Entries removed meanwhile are skipped."""
+        """[(key, bytes, last use as a Unix time)], least recently used first. Entries removed
+        meanwhile are skipped."""
         out = []
         for name in os.listdir(self.root):
             if ENTRY.match(name):
@@ -271,72 +307,123 @@ class KVStore:
         return sum(n for _, n, _ in self.entries())
 
     def evict_to_budget(self, budget_bytes=None):
-        """Remove least recently used entries until the store holds at most budget_bytes (default: the store's
-        budget), and temporary files left by writers that died. Returns the number of entries removed.
-        Another process's reader keeps its open file; it finishes its read undisturbed."""
+        """Remove least recently used entries until the store holds at most budget_bytes (default:
+        the store's budget), and temporary files left by writers that died. Returns the number of
+        entries removed. Another process's reader keeps its open file and finishes undisturbed."""
         budget = self.budget if budget_bytes is None else budget_bytes
         self._sweep_temporaries(STALE_TEMP_S)
         if budget is None:
             return 0
         entries = self.entries()
-        total, removed = sum(n for _, n, _ in entries), 0
+        total = sum(n for _, n, _ in entries)
+        removed = 0
         for key, n, _ in entries:
             if total <= budget:
                 break
             remove_quietly(self.path(key))
-            total, removed = total - n, removed + 1
+            total -= n
+            removed += 1
         self._count(evicted=removed)
         return removed
 
     def clear(self):
-        """Remove every entry, temporary file and claim (no other file). Returns the number of entries removed."""
+        """Remove every entry, temporary file and claim (no other file).
+        Returns the number of entries removed."""
         self._sweep_temporaries(0)
         return self.evict_to_budget(0)
 
     def _sweep_temporaries(self, older_than_s):
+        """Remove temporary files and claims at least older_than_s old."""
         now = time.time()
         for name in os.listdir(self.root):
+            if not (name.startswith(TEMP_PREFIX) or CLAIM.match(name)):
+                continue
             p = os.path.join(self.root, name)
-            try:  # temporary files and claims, at least older_than_s old
-                if (name.startswith(TEMP_PREFIX) or CLAIM.match(name)) and now - os.stat(p).st_mtime >= older_than_s:
+            try:
+                if now - os.stat(p).st_mtime >= older_than_s:
                     os.unlink(p)
             except FileNotFoundError:
                 pass
 
-    # ---- claims: tasks that start together compute a shared chunk once ---------------------------------
+    # ---- claims: tasks that start together compute a shared chunk once --------------------
 
     def claim(self, key):
-        """Announce that this process computes key's chunk. True: go ahead (write, then release). False: another
-        task is computing it: wait_for() it, or compute it anyway. Either way the store stays whole (atomic entries,
-        and every writer of a key writes the same bytes); a race on a stale claim at worst computes a chunk twice."""
+        """Announce that this process computes key's chunk. True: go ahead (write, then release).
+        False: another task is computing it: wait_for() it, or compute it anyway (False too where
+        the store takes no claims: a read-only one). A void claim is taken over: its process, on
+        this machine, is gone, or it was not renewed for STALE_CLAIM_S. Either way the store stays
+        whole (atomic entries, and every writer of a key writes the same bytes); a race on a void
+        claim at worst computes a chunk twice."""
         p = self.path(key, ".claim")
-        try:
-            if time.time() - os.stat(p).st_mtime >= STALE_CLAIM_S:
+        if claim_is_void(p):
+            try:
                 os.unlink(p)  # its task died while computing, or gave up without release()
-        except FileNotFoundError:
-            pass
+            except OSError:
+                pass
         try:
-            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            return True
-        except FileExistsError:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:  # another task's claim, or a store that takes none
             return False
+        try:
+            os.write(fd, f"{HOST} {os.getpid()}\n".encode())
+        except OSError:
+            pass  # a full disk: the claim stands, judged by its age alone
+        finally:
+            os.close(fd)
+        return True
+
+    def renew(self, key):
+        """This process still computes key's chunk: its claim's age starts again."""
+        try:
+            os.utime(self.path(key, ".claim"))
+        except OSError:
+            pass
 
     def release(self, key):
-        """Drop this process's claim on key: after write(), or on failure so that waiters stop waiting."""
+        """Drop this process's claim on key:
+        after write(), or on failure so that waiters stop waiting."""
         remove_quietly(self.path(key, ".claim"))
 
     def wait_for(self, key, timeout_s, poll_s=0.05):
-        """Wait while another task claims key and its entry is absent. True if the entry is there now; False on
-        timeout or when the claim went away without an entry (then compute the chunk yourself)."""
-        entry, claim, deadline = self.path(key), self.path(key, ".claim"), time.monotonic() + timeout_s
-        while not os.path.exists(entry) and os.path.exists(claim) and time.monotonic() < deadline:
+        """Wait while another task claims key and its entry is absent. True if the entry is there
+        now; False on timeout, or when the claim went away or became void without an entry (then
+        compute the chunk yourself)."""
+        entry = self.path(key)
+        claim = self.path(key, ".claim")
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(entry) and time.monotonic() < deadline:
+            if not os.path.exists(claim) or claim_is_void(claim):
+                break
             time.sleep(poll_s)
         return os.path.exists(entry)
 
 
+def claim_is_void(path):
+    """A claim that no longer stands: not renewed for STALE_CLAIM_S, or made by a process of this
+    machine that is gone (killed while computing). False when there is no claim."""
+    try:
+        with open(path, "rb") as f:
+            owner = f.read(256).split()
+            age = time.time() - os.fstat(f.fileno()).st_mtime
+    except OSError:
+        return False
+    if age >= STALE_CLAIM_S:
+        return True
+    if len(owner) != 2 or owner[0] != HOST.encode() or not owner[1].isdigit():
+        return False  # another machine's (or one still being written): its age decides
+    try:
+        os.kill(int(owner[1]), 0)  # signal 0: is the process there?
+    except ProcessLookupError:
+        return True
+    except OSError:
+        pass  # there, but not ours to signal
+    return False
+
+
 def write_all(fd, data):
-    """os.write may write less than asked (signals, file-size limits): loop until all of data is written."""
-    view, done = memoryview(data).cast("B"), 0
+    """os.write may write less than asked (signals, file-size limits): loop until all is written."""
+    view = memoryview(data).cast("B")
+    done = 0
     while done < len(view):
         done += retry(lambda: os.write(fd, view[done:]))
     return done
@@ -362,10 +449,12 @@ def remove_quietly(path):
 # command line
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="List or clear a persistent KV store (see the top of kvstore.py).")
+    p = argparse.ArgumentParser(description="List or clear a persistent KV store (see the top of "
+                                            "kvstore.py).")
     p.add_argument("dir", metavar="DIR", help="the store's directory")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--list", action="store_true", help="print every entry (key, size, last use) and the total")
+    g.add_argument("--list", action="store_true",
+                   help="print every entry (key, size, last use) and the total")
     g.add_argument("--clear", action="store_true", help="remove every entry")
 
     def one_line_error(message):
@@ -384,8 +473,10 @@ def main(argv=None):
         return
     entries = store.entries()
     for key, n, used in entries:
-        print(f"{key}  {n / 2**20:10.3f} MiB  last used {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(used))}")
-    print(f"{len(entries)} entries, {sum(n for _, n, _ in entries) / 2**20:.3f} MiB in {args.dir}")
+        used_at = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(used))
+        print(f"{key}  {n / 2**20:10.3f} MiB  last used {used_at}")
+    total_mib = sum(n for _, n, _ in entries) / 2**20
+    print(f"{len(entries)} entries, {total_mib:.3f} MiB in {args.dir}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """
-One process or many: what the command line needs to run the same commands under torchrun. torch.distributed is
-the engine (NCCL on GPUs, gloo on CPU); this file only decides who loads what, who speaks, which tasks a replica
-runs, and how the batch's totals meet on rank 0. There is no scheduler beyond splitting the task list.
+One process or many: what the command line needs to run the same commands under torchrun.
+torch.distributed is the engine (NCCL on GPUs, gloo on CPU); this file only decides who loads what,
+who speaks, which tasks a replica runs, and how the batch's totals meet on rank 0. There is no
+scheduler beyond splitting the task list.
 
-    torchrun --nproc-per-node 2 generate.py --ckpt DIR ...                 # tensor parallel: 1 replica of 2 ranks
-    torchrun --nproc-per-node 4 generate.py --tp 2 --prompts T --output R  # 2 replicas of 2 ranks, tasks split
+    # tensor parallel: 1 replica of 2 ranks
+    torchrun --nproc-per-node 2 generate.py --ckpt DIR ...
+    # 2 replicas of 2 ranks, tasks split
+    torchrun --nproc-per-node 4 generate.py --tp 2 --prompts T --output R
 
-A replica (data-parallel group) is --tp consecutive ranks holding one model between them; its leader (tp rank 0)
-samples, prints and writes results. A plain `python generate.py` is one replica of one rank.
+A replica (data-parallel group) is --tp consecutive ranks holding one model between them; its leader
+(tp rank 0) samples, prints and writes results. A plain `python generate.py` is one replica of one
+rank.
 """
 import os
 
@@ -18,7 +22,8 @@ from tp import Layout, init_distributed, load_sharded, split_tasks
 
 
 class LaunchError(ValueError):
-    """A launch that cannot work (--tp without torchrun, a world that --tp does not divide): one sentence."""
+    """A launch that cannot work (--tp without torchrun, a world that --tp does not divide):
+    one sentence."""
 
 
 def under_torchrun():
@@ -29,22 +34,26 @@ def start(tp, device):
     """This process's Layout. --tp needs torchrun; without it everything is one rank, as before."""
     if not under_torchrun():
         if tp is not None:
-            raise LaunchError(f"--tp {tp} needs torchrun: torchrun --nproc-per-node N generate.py --tp {tp} ...; "
-                              "without torchrun drop --tp")
+            raise LaunchError(f"--tp {tp} needs torchrun: torchrun --nproc-per-node N generate.py "
+                              f"--tp {tp} ...; without torchrun drop --tp")
         return Layout.single(device)
     world = int(os.environ["WORLD_SIZE"])
     if tp is not None and (tp < 1 or world % tp):
-        raise LaunchError(f"--tp {tp} does not divide the {world} ranks torchrun started; choose --tp dividing {world}")
+        raise LaunchError(f"--tp {tp} does not divide the {world} ranks torchrun started; "
+                          f"choose --tp dividing {world}")
     return init_distributed(tp, device)
 
 
 def load(ckpt, layout, device, dtype, rope_override=None, quantize=None):
-    """This rank's model: the whole checkpoint with one rank per replica, else its slices (tp.load_sharded)."""
+    """This rank's model: the whole checkpoint with one rank per replica,
+    else its slices (tp.load_sharded)."""
     if layout.tp == 1:
         kw = {"quantize": quantize} if quantize else {}
-        return Transformer.from_pretrained(ckpt, device=device, dtype=dtype, rope_override=rope_override, **kw)
+        return Transformer.from_pretrained(ckpt, device=device, dtype=dtype,
+                                           rope_override=rope_override, **kw)
     if quantize:
-        raise LaunchError("--quantize is not combined with tensor parallelism (--tp > 1) yet; drop one of them")
+        raise LaunchError("--quantize is not combined with tensor parallelism (--tp > 1) yet; "
+                          "drop one of them")
     return load_sharded(ckpt, layout, device, dtype, rope_override=rope_override)
 
 
@@ -55,8 +64,8 @@ def my_tasks(tasks, layout):
 
 
 def from_leader(obj, layout):
-    """The leader's `obj` on every rank of its replica (a collective of the replica), so that they run the same list
-    even if they read the results file at different moments."""
+    """The leader's `obj` on every rank of its replica (a collective of the replica), so that they
+    run the same list even if they read the results file at different moments."""
     if layout.tp == 1:
         return obj
     box = [obj]
@@ -65,8 +74,8 @@ def from_leader(obj, layout):
 
 
 def batch_totals(totals, layout):
-    """Every replica leader's totals meet on global rank 0 (a collective: every rank calls it). Returns the summed
-    totals and the list of per-replica totals on rank 0, (None, None) elsewhere."""
+    """Every replica leader's totals meet on global rank 0 (a collective: every rank calls it).
+    Returns (summed totals, list of per-replica totals) on rank 0, (None, None) elsewhere."""
     if layout.world == 1:
         return totals, [totals]
     mine = totals if layout.is_leader else None
@@ -77,7 +86,8 @@ def batch_totals(totals, layout):
     shares = [t for t in everyone if t is not None]
     summed = {k: sum(s[k] for s in shares) for k in ("done", "resumed", "new_tokens", "decode_s")}
     summed["failed"] = [f for s in shares for f in s["failed"]]
-    for k in ("peak_device", "peak_rss", "wall_s"):  # the largest of the replicas (they ran at the same time)
+    # the largest of the replicas (they ran at the same time)
+    for k in ("peak_device", "peak_rss", "wall_s"):
         summed[k] = max(s.get(k, 0) for s in shares)
     summed["bytes"] = {k: sum(s["bytes"].get(k, 0) for s in shares) for k in shares[0]["bytes"]}
     return summed, shares

@@ -1,15 +1,17 @@
 """
-What a long job is doing: process memory, a trace with one event per step, alerts, and the closing summary.
+What a long job is doing: process memory, a trace with one event per step, alerts, and the closing
+summary.
 
-    --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated" (CUDA: the allocator's; CPU: the
-                           KV bytes on the device tier), "device_peak", "host_rss",
-                           "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved since the task's last
-                           event (and window_skipped: KV bytes outside every sliding window, so not read at all),
-                           "chunks": {device, host, disk}}, plus {"alert": ...} events
-    alerts (stderr + trace): a task running over 2x the time that the finished tasks' mean rates (seconds per
-    prompt token, per generated token) give for the work it has done; host memory over 80% of the machine's RAM
-    (the job is about to swap); offload configured but no chunk leaving the device once the context has outgrown
-    the window (offload is not in effect).
+    --trace TRACE.jsonl   {"t", "task", "phase", "position", "device_allocated" (CUDA: the
+                           allocator's; CPU: the KV bytes on the device tier), "device_peak",
+                           "host_rss", "host_anon", "bytes": {h2d, d2h, disk_write, disk_read} moved
+                           since the task's last event (and window_skipped: KV bytes outside every
+                           sliding window, so not read at all), "chunks": {device, host, disk}},
+                           plus {"alert": ...} events
+    alerts (stderr + trace): a task running over 2x the time that the finished tasks' mean rates
+    (seconds per prompt token, per generated token) give for the work it has done; host memory over
+    80% of the machine's RAM (the job is about to swap); offload configured but no chunk leaving the
+    device once the context has outgrown the window (offload is not in effect).
 tools/plot_trace.py draws a trace.
 """
 import json
@@ -20,17 +22,19 @@ import time
 
 import torch
 
+STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
+
 
 def host_memory():
-    """Resident memory of this process in bytes: total, anonymous (what it really holds) and file-backed
-    (mapped pages, e.g. the disk tier, that the OS may evict)."""
+    """Resident memory of this process in bytes: total, anonymous (what it really holds) and
+    file-backed (mapped pages, e.g. the disk tier, that the OS may evict)."""
     out = {"rss": 0, "anon": 0, "file": 0}
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 key, _, val = line.partition(":")
-                if key in ("VmRSS", "RssAnon", "RssFile"):
-                    out[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}[key]] = int(val.split()[0]) * 1024
+                if key in STATUS_FIELDS:
+                    out[STATUS_FIELDS[key]] = int(val.split()[0]) * 1024
     except OSError:  # not Linux: the peak RSS is all we can get
         import resource
         out["rss"] = out["anon"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -45,24 +49,31 @@ def total_ram():
 
 
 def mem_available():
-    """Bytes the kernel says can be allocated without swapping (MemAvailable); 0 where it does not say."""
+    """Bytes the kernel says can be allocated without swapping (MemAvailable);
+    0 where it does not say."""
     try:
         with open("/proc/meminfo") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), 0)
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
-        return 0
+        pass
+    return 0
 
 
 def process_io():
-    """Bytes this process has asked of storage so far (/proc/self/io read_bytes, write_bytes): the real device I/O,
-    unlike reads through a mapping that the page cache serves. Zeros where the kernel does not say."""
+    """Bytes this process has asked of storage so far (/proc/self/io read_bytes, write_bytes): the
+    real device I/O, unlike reads through a mapping that the page cache serves. Zeros where the
+    kernel does not say."""
     out = {"storage_read": 0, "storage_write": 0}
     try:
         with open("/proc/self/io") as f:
             for line in f:
                 key, _, val = line.partition(":")
-                if key in ("read_bytes", "write_bytes"):
-                    out["storage_read" if key == "read_bytes" else "storage_write"] = int(val)
+                if key == "read_bytes":
+                    out["storage_read"] = int(val)
+                elif key == "write_bytes":
+                    out["storage_write"] = int(val)
     except OSError:
         pass
     return out
@@ -77,32 +88,55 @@ def fmt_bytes(n):
 
 def progress_line(stats, n_prompt, n_new):
     """The statistics line generate.py prints on stderr after one prompt."""
-    b, c = stats["bytes"], stats["chunks"]
-    return (f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s ({stats['prefill_tokens_per_s']:.1f} tok/s) | "
-            f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s | peak device {fmt_bytes(stats['peak_device_bytes'])} | "
-            f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} (anon {fmt_bytes(stats['peak_host_anon_bytes'])}) | "
-            f"chunks device/host/disk {c['device']}/{c['host']}/{c['disk']} | h2d {fmt_bytes(b['h2d'])} "
-            f"d2h {fmt_bytes(b['d2h'])} | disk tier: write {fmt_bytes(b['disk_write'])} read {fmt_bytes(b['disk_read'])}"
-            f" attended in place {fmt_bytes(b['disk_mapped_read'])} | storage I/O read "
-            f"{fmt_bytes(stats['io']['storage_read'])} write {fmt_bytes(stats['io']['storage_write'])}"
-            + (f" | resumed from position {stats['resumed_from']}" if stats.get("resumed_from") else ""))
+    b = stats["bytes"]
+    c = stats["chunks"]
+    io = stats["io"]
+    parts = [
+        f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s "
+        f"({stats['prefill_tokens_per_s']:.1f} tok/s)",
+        f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s",
+        f"peak device {fmt_bytes(stats['peak_device_bytes'])}",
+        f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} "
+        f"(anon {fmt_bytes(stats['peak_host_anon_bytes'])})",
+        f"chunks device/host/disk {c['device']}/{c['host']}/{c['disk']}",
+        f"h2d {fmt_bytes(b['h2d'])} d2h {fmt_bytes(b['d2h'])}",
+        f"disk tier: write {fmt_bytes(b['disk_write'])} read {fmt_bytes(b['disk_read'])} "
+        f"attended in place {fmt_bytes(b['disk_mapped_read'])}",
+        f"storage I/O read {fmt_bytes(io['storage_read'])} "
+        f"write {fmt_bytes(io['storage_write'])}",
+    ]
+    if stats.get("resumed_from"):
+        parts.append(f"resumed from position {stats['resumed_from']}")
+    return " | ".join(parts)
+
+
+def print_to_stderr(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def gib(n):
+    return f"{n / 2**30:.2f} GiB"
 
 
 class Monitor:
-    """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts, keeps totals for the summary."""
+    """Shared by all tasks of a run (thread-safe): writes the trace, raises alerts,
+    keeps totals for the summary."""
 
     def __init__(self, trace_path=None, log=None, ram=None):
-        self.trace = open(trace_path, "a", buffering=1) if trace_path else None  # appended to: runs accumulate
-        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        # appended to: runs accumulate
+        self.trace = open(trace_path, "a", buffering=1) if trace_path else None
+        self.log = log or print_to_stderr
         self.ram = total_ram() if ram is None else ram
         self.lock = threading.Lock()
-        self.started, self.last = {}, {}  # task -> (start time, prompt tokens); task -> bytes at its last event
-        self.rates = {"prefill_s": 0.0, "prompt_tokens": 0, "decode_s": 0.0, "decoded": 0}  # of finished tasks
+        self.started = {}  # task -> (start time, prompt tokens)
+        self.last = {}     # task -> bytes at its last event
+        # of finished tasks
+        self.rates = {"prefill_s": 0.0, "prompt_tokens": 0, "decode_s": 0.0, "decoded": 0}
         self.alerted = set()
-        self.totals = {"done": 0, "failed": [], "resumed": 0, "new_tokens": 0, "decode_s": 0.0, "peak_device": 0,
-                       "peak_rss": 0, "bytes": {}}
-
-        self._emit({"t": time.time(), "run_start": {"pid": os.getpid(), "argv": sys.argv}})  # where a run begins
+        self.totals = {"done": 0, "failed": [], "resumed": 0, "new_tokens": 0, "decode_s": 0.0,
+                       "peak_device": 0, "peak_rss": 0, "bytes": {}}
+        # where a run begins
+        self._emit({"t": time.time(), "run_start": {"pid": os.getpid(), "argv": sys.argv}})
 
     def _emit(self, event):
         if self.trace:
@@ -123,8 +157,9 @@ class Monitor:
             self.started[task] = (time.perf_counter(), prompt_tokens)
 
     def expected_s(self, prompt_tokens, position):
-        """How long a task should take to reach `position`, at the mean rates of the finished tasks: prefill
-        seconds per prompt token and decode seconds per generated token. None before any task has finished."""
+        """How long a task should take to reach `position`, at the mean rates of the finished tasks:
+        prefill seconds per prompt token and decode seconds per generated token. None before any
+        task has finished."""
         done = self.rates
         if not done["prompt_tokens"] and not done["decoded"]:
             return None
@@ -133,65 +168,88 @@ class Monitor:
         return min(position, prompt_tokens) * prefill + max(0, position - prompt_tokens) * decode
 
     def step(self, task, phase, cache):
-        """After every forward step of a task: one trace event, and the alerts that can fire mid-task."""
-        snap, mem = cache.store.snapshot(cache.length % cache.chunk_size), host_memory()
+        """After each forward step of a task: one trace event, and the alerts that fire mid-task."""
+        snap = cache.store.snapshot(cache.length % cache.chunk_size)
+        mem = host_memory()
         moved = snap["bytes"]
         prev = self.last.get(task, {k: 0 for k in moved})
         self.last[task] = moved
-        cuda, device = cache.store.cuda, cache.store.device
-        self._emit({"t": time.time(), "task": task, "phase": phase, "position": cache.length,
-                    "device_allocated": torch.cuda.memory_allocated(device) if cuda else snap["kv_device_bytes"],
-                    "device_peak": torch.cuda.max_memory_allocated(device) if cuda else snap["kv_device_bytes_peak"],
-                    "host_rss": mem["rss"], "host_anon": mem["anon"],
-                    "bytes": {k: moved[k] - prev[k] for k in moved}, "chunks": snap["chunks"]})
+        device = cache.store.device
+        if cache.store.cuda:
+            allocated = torch.cuda.memory_allocated(device)
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            allocated = snap["kv_device_bytes"]
+            peak = snap["kv_device_bytes_peak"]
+        self._emit({
+            "t": time.time(),
+            "task": task,
+            "phase": phase,
+            "position": cache.length,
+            "device_allocated": allocated,
+            "device_peak": peak,
+            "host_rss": mem["rss"],
+            "host_anon": mem["anon"],
+            "bytes": {k: moved[k] - prev[k] for k in moved},
+            "chunks": snap["chunks"],
+        })
         if self.ram and mem["rss"] > 0.8 * self.ram:
-            self.alert("host_memory", f"host memory {mem['rss'] / 2**30:.1f} GiB is over 80% of this machine's "
-                       f"{self.ram / 2**30:.1f} GiB: the job is about to swap; lower --concurrency or --cpu-budget")
+            self.alert("host_memory", f"host memory {mem['rss'] / 2**30:.1f} GiB is over 80% of "
+                       f"this machine's {self.ram / 2**30:.1f} GiB: the job is about to swap; "
+                       "lower --concurrency or --cpu-budget")
         chunks = snap["chunks"]
-        if snap["offloading"] and cache.n_sealed > snap["window"] and chunks["host"] + chunks["disk"] == 0:
-            self.alert("offload_not_in_effect", f"task {task}: {cache.n_sealed} chunks sealed, window "
-                       f"{snap['window']}, yet none left the device: offload is not in effect", task)
+        left_device = chunks["host"] + chunks["disk"]
+        if snap["offloading"] and cache.n_sealed > snap["window"] and left_device == 0:
+            self.alert("offload_not_in_effect", f"task {task}: {cache.n_sealed} chunks sealed, "
+                       f"window {snap['window']}, yet none left the device: offload is not in "
+                       "effect", task)
         with self.lock:
             began, prompt_tokens = self.started.get(task, (time.perf_counter(), 0))
             expected = self.expected_s(prompt_tokens, cache.length)
         elapsed = time.perf_counter() - began
         if expected and elapsed > 2 * expected:  # per unit of work: a longer task is not a slow one
-            self.alert("slow_task", f"task {task} has run {elapsed:.1f}s to position {cache.length}, over 2x the "
-                       f"{expected:.1f}s that the mean rates of finished tasks give for that much work", task)
+            self.alert("slow_task", f"task {task} has run {elapsed:.1f}s to position "
+                       f"{cache.length}, over 2x the {expected:.1f}s that the mean rates of "
+                       "finished tasks give for that much work", task)
 
     def context_stayed_on_device(self, task, stats, chunk_size, window):
-        """Offload configured, yet the whole context fitted in the device window: say so once, with the fix."""
+        """Offload configured, yet the whole context fitted in the device window:
+        say so once, with the fix."""
         c = stats["chunks"]
         if c["host"] + c["disk"] == 0:
-            self.log(f"task {task}: offload is on, but the context ({c['device']} chunks per layer of {chunk_size} "
-                     f"positions, counting the open one) fits in the device window (--window {window}), so nothing "
-                     "left the device; lower --window or --chunk-size to offload")
+            self.log(f"task {task}: offload is on, but the context ({c['device']} chunks per layer "
+                     f"of {chunk_size} positions, counting the open one) fits in the device window "
+                     f"(--window {window}), so nothing left the device; lower --window or "
+                     "--chunk-size to offload")
 
     def task_finished(self, task, stats=None, error=None):
         with self.lock:
             t = self.totals
+            self.started.pop(task, None)
             if error is not None:
-                self.started.pop(task, None)
                 t["failed"].append((task, error))
-            else:
-                self.started.pop(task, None)
-                for key, stat in (("prefill_s", "prefill_s"), ("prompt_tokens", "prompt_tokens"),
-                                  ("decode_s", "decode_s"), ("decoded", "decoded_tokens")):
-                    self.rates[key] += stats.get(stat, 0)
-                t["done"] += 1
-                t["resumed"] += stats.get("resumed_from", 0) > 0
-                t["decode_s"] += stats["decode_s"]
-                t["new_tokens"] += stats.get("decoded_tokens", 0)  # replayed tokens of a resumed task: not decoded
-                t["peak_device"] = max(t["peak_device"], stats["peak_device_bytes"])
-                t["peak_rss"] = max(t["peak_rss"], stats["peak_host_rss_bytes"])
-                for k, v in stats["bytes"].items():
-                    t["bytes"][k] = t["bytes"].get(k, 0) + v
+                return
+            for key, stat in (("prefill_s", "prefill_s"), ("prompt_tokens", "prompt_tokens"),
+                              ("decode_s", "decode_s"), ("decoded", "decoded_tokens")):
+                self.rates[key] += stats.get(stat, 0)
+            t["done"] += 1
+            t["resumed"] += stats.get("resumed_from", 0) > 0
+            t["decode_s"] += stats["decode_s"]
+            # replayed tokens of a resumed task: not decoded
+            t["new_tokens"] += stats.get("decoded_tokens", 0)
+            t["peak_device"] = max(t["peak_device"], stats["peak_device_bytes"])
+            t["peak_rss"] = max(t["peak_rss"], stats["peak_host_rss_bytes"])
+            for k, v in stats["bytes"].items():
+                t["bytes"][k] = t["bytes"].get(k, 0) + v
 
     def summary(self, totals=None):
-        """The closing lines of a batch: this process's totals, or the `totals` given (a whole torchrun batch)."""
+        """The closing lines of a batch: this process's totals,
+        or the `totals` given (a whole torchrun batch)."""
         t = totals or self.totals
-        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        rate = f", {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's {t['wall_s']:.1f}s" if t.get("wall_s") else ""
+        rate = ""
+        if t.get("wall_s"):
+            rate = (f", {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's "
+                    f"{t['wall_s']:.1f}s")
         lines = [f"tasks: {t['done']} done, {len(t['failed'])} failed, {t['resumed']} resumed",
                  f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",

@@ -3,23 +3,28 @@ One line of progress on stderr for a long prefill, rewritten in place:
 
     prefill 4096/16384 tokens, 812 tok/s, ETA 15s
 
-Silent when the stream is not a terminal (a log file, a pipe, --json output) or when disabled, and silent for a
-prefill shorter than one update interval, so short prompts print nothing.
+Silent when the stream is not a terminal (a log file, a pipe, --json output) or when disabled, and
+silent for a prefill shorter than one update interval, so short prompts print nothing.
 """
 import sys
 import time
 
 
 class Progress:
-    def __init__(self, what="prefill", stream=None, enabled=True, interval=0.25, clock=time.monotonic):
-        self.what, self.interval, self.clock = what, interval, clock
+    def __init__(self, what="prefill", stream=None, enabled=True, interval=0.25,
+                 clock=time.monotonic):
+        self.what = what
+        self.interval = interval
+        self.clock = clock
         self.stream = sys.stderr if stream is None else stream
-        self.enabled = enabled and self.stream.isatty()  # \r on a file or a pipe would leave a mess, not a line
+        # \r on a file or a pipe would leave a mess, not a line
+        self.enabled = enabled and self.stream.isatty()
         self.start = self.last = clock()
         self.width = 0  # length of the line on screen, so a shorter line can blank out its tail
 
     def update(self, done, total):
-        """Report `done` of `total` tokens; draws at most once per interval, and the last step if any was drawn."""
+        """Report `done` of `total` tokens; draws at most once per interval,
+        and the last step if any was drawn."""
         if not self.enabled:
             return
         now = self.clock()

@@ -1,8 +1,9 @@
 """
-Random checkpoints of a given shape, for benchmarks and the tuner: ModelArgs -> random weights -> safetensors under
-Hugging Face names and a config.json that both this project and transformers load.
+Random checkpoints of a given shape, for benchmarks and the tuner: ModelArgs -> random weights ->
+safetensors under Hugging Face names and a config.json that both this project and transformers load.
 
-    sizes = parse_model_spec("7b-like,layers=4")      # a preset and/or dim=,layers=,heads=,kv_heads=,head_dim=,...
+    # a preset and/or dim=,layers=,heads=,kv_heads=,head_dim=,...
+    sizes = parse_model_spec("7b-like,layers=4")
     build_random_checkpoint(sizes, "/tmp/m", torch.bfloat16)
 """
 import json
@@ -14,17 +15,22 @@ from model import ModelArgs, Transformer, ours_to_hf
 
 SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
 PRESETS = {  # --random-model NAME[,key=value,...]
-    "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000),  # Llama-2-7B
-    "kv-heavy": dict(dim=1024, layers=4, heads=16, kv_heads=16, head_dim=64, hidden=2816, vocab=32000),
+    # Llama-2-7B
+    "7b-like": dict(dim=4096, layers=32, heads=32, kv_heads=32, head_dim=128, hidden=11008,
+                    vocab=32000),
+    "kv-heavy": dict(dim=1024, layers=4, heads=16, kv_heads=16, head_dim=64, hidden=2816,
+                     vocab=32000),
     "tiny": dict(dim=64, layers=2, heads=4, kv_heads=2, head_dim=16, hidden=128, vocab=256),
-    "kv16k": dict(dim=256, layers=2, heads=8, kv_heads=8, head_dim=128, hidden=512, vocab=256),  # 16 KiB fp32 KV/token
-    "smollm2-135m": dict(dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, hidden=1536, vocab=49152),
+    # 16 KiB fp32 KV/token
+    "kv16k": dict(dim=256, layers=2, heads=8, kv_heads=8, head_dim=128, hidden=512, vocab=256),
+    "smollm2-135m": dict(dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, hidden=1536,
+                         vocab=49152),
 }
 
 
-
 def parse_model_spec(spec, layers=None):
-    """'7b-like', '7b-like,kv_heads=8' or 'dim=512,layers=4,heads=8,kv_heads=8,hidden=1376,vocab=32000'."""
+    """'7b-like', '7b-like,kv_heads=8' or
+    'dim=512,layers=4,heads=8,kv_heads=8,hidden=1376,vocab=32000'."""
     sizes = {}
     for i, part in enumerate(p.strip() for p in spec.split(",") if p.strip()):
         key, eq, val = part.partition("=")
@@ -33,46 +39,74 @@ def parse_model_spec(spec, layers=None):
         elif eq and key in SIZE_KEYS and val.isdigit() and int(val) > 0:
             sizes[key] = int(val)
         else:
-            raise ValueError(f"--random-model: cannot read {part!r}; give a preset {sorted(PRESETS)} and/or "
-                             f"key=positive integer pairs, keys {SIZE_KEYS}")
-    sizes.update({} if layers is None else {"layers": layers})
+            raise ValueError(f"--random-model: cannot read {part!r}; give a preset "
+                             f"{sorted(PRESETS)} and/or key=positive integer pairs, "
+                             f"keys {SIZE_KEYS}")
+    if layers is not None:
+        sizes["layers"] = layers
     missing = [k for k in SIZE_KEYS if k not in sizes and k != "head_dim"]
-    if missing or sizes["heads"] % sizes["kv_heads"]:
-        raise ValueError(f"--random-model {spec}: " + (f"missing {missing}" if missing else
-                         f"heads={sizes['heads']} is not a multiple of kv_heads={sizes['kv_heads']}"))
+    if missing:
+        raise ValueError(f"--random-model {spec}: missing {missing}")
+    if sizes["heads"] % sizes["kv_heads"]:
+        raise ValueError(f"--random-model {spec}: heads={sizes['heads']} is not a multiple of "
+                         f"kv_heads={sizes['kv_heads']}")
     sizes.setdefault("head_dim", sizes["dim"] // sizes["heads"])
     return sizes
 
 
 def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0):
-    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load (with a byte-level
-    tokenizer.json when the vocabulary has room for 256 bytes). Linear weights at
-    std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device` (fast on a GPU)."""
+    """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load
+    (with a byte-level tokenizer.json when the vocabulary has room for 256 bytes). Linear weights
+    at std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device`
+    (fast on a GPU)."""
     from safetensors.torch import save_file
-    a = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"], n_kv_heads=sizes["kv_heads"],
-                  head_dim=sizes["head_dim"], hidden_dim=sizes["hidden"], vocab_size=sizes["vocab"],
-                  max_seq_len=max_positions, torch_dtype=str(dtype).removeprefix("torch."))
+    model_args = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"],
+                           n_kv_heads=sizes["kv_heads"], head_dim=sizes["head_dim"],
+                           hidden_dim=sizes["hidden"], vocab_size=sizes["vocab"],
+                           max_seq_len=max_positions,
+                           torch_dtype=str(dtype).removeprefix("torch."))
     with torch.device("meta"):
-        model = Transformer(a)
-    g, tensors = torch.Generator(device).manual_seed(seed), {}
+        model = Transformer(model_args)
+    g = torch.Generator(device).manual_seed(seed)
+    tensors = {}
     for name, p in model.named_parameters():
+        if "norm" in name:
+            tensors[ours_to_hf(name)] = torch.ones(p.shape, dtype=dtype)
+            continue
         std = 1.0 if name.startswith("tok_embeddings") else p.shape[-1] ** -0.5
-        tensors[ours_to_hf(name)] = torch.ones(p.shape, dtype=dtype) if "norm" in name else \
-            (torch.randn(p.shape, generator=g, device=device) * std).to(dtype).cpu()
+        w = torch.randn(p.shape, generator=g, device=device) * std
+        tensors[ours_to_hf(name)] = w.to(dtype).cpu()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": a.dim,
-              "intermediate_size": a.hidden_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-              "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-              "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": a.torch_dtype,
-              "bos_token_id": 1, "eos_token_id": 2}
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": model_args.dim,
+        "intermediate_size": model_args.hidden_dim,
+        "num_hidden_layers": model_args.n_layers,
+        "num_attention_heads": model_args.n_heads,
+        "num_key_value_heads": model_args.n_kv_heads,
+        "head_dim": model_args.head_dim,
+        "vocab_size": model_args.vocab_size,
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": model_args.torch_dtype,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    if a.vocab_size >= 256:  # a byte-level tokenizer (ids 0-255), so that generate.py can encode a prompt for it
+        json.dump(hf_config, f, indent=2)
+    # a byte-level tokenizer (ids 0-255), so that generate.py can encode a prompt for it
+    if model_args.vocab_size >= 256:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-        tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                                   merges=[]))
-        tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+        tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
         tok.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir

@@ -1,8 +1,9 @@
 """
-One generation task: its cache and tiers, its directory on disk, resume after a crash, and measured statistics.
-cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks through run_task, so every number
-they print is measured the same way.
+One generation task: its cache and tiers, its directory on disk, resume after a crash, and measured
+statistics. cli.py (one prompt or a --prompts batch), bench.py and verify.py all run tasks through
+run_task, so every number they print is measured the same way.
 """
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -11,7 +12,7 @@ import torch
 
 from generate import Sampling, generate
 from kvcache import make_cache
-from kvstore import chunk_keys
+from kvstore import STALE_CLAIM_S, chunk_keys
 from monitor import host_memory, process_io
 from pools import on_cuda
 from quantize import weight_bytes
@@ -20,77 +21,105 @@ from tp import Layout, agree_min, broadcast_token
 
 
 def resume_point(manifest, task, chunk_size):
-    """From a manifest left by an interrupted run: (chunks to restore, generated tokens to replay, why not)."""
+    """From a manifest left by an interrupted run:
+    (chunks to restore, generated tokens to replay, why not)."""
     if manifest is None:
         return 0, [], None
     for key, value in task.items():
         if manifest.get(key) != value:
-            why = " (other weights, or a setting that changes the KV)" if key == "fingerprint" else ""
+            why = ""
+            if key == "fingerprint":
+                why = " (other weights, or a setting that changes the KV)"
             return 0, [], f"manifest was written for another {key}{why}"
     tokens = manifest.get("tokens", [])
     P = len(task["prompt_ids"])
     if tokens[:P] != task["prompt_ids"]:
         return 0, [], "manifest tokens do not start with this prompt"
-    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)  # keep >= 1 position to recompute
+    # keep >= 1 position to recompute
+    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)
     return n, tokens[P:], None
 
 
-def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(), eos_ids=(), task_id="0",
-             on_token=None, on_step=None, fingerprint=None, log=None, kv_store=None, layout=None,
-             kv_dtype="auto"):
-    """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats), everything measured.
+def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
+             eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
+             kv_store=None, layout=None, kv_dtype="auto"):
+    """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
+    everything measured.
 
-    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so far) after each sampled token; on_step(phase, logits, cache) after each
-    forward step. With the disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a
-    fingerprint (of the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
-    manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches for. The
-    directory is removed on success (unless cfg.keep_files) and kept on failure, for the next run to resume from.
-    kv_store (a kvstore.KVStore): adopt the longest stored prefix of this prompt's full chunks, and store the
-    prompt chunks this run computes, under keys chained from the fingerprint (see PromptCache). Under tensor
-    parallelism (layout, see tp.py) each rank keeps its own store in task_<id>/rank<r>/, the ranks resume together
-    from the shortest prefix they all vouch for, and rank 0's sampled token is everyone's."""
+    cfg is an OffloadConfig; kv_dtype says how K and V are held (kvcache.KV_DTYPES). on_token(ids so
+    far) after each sampled token; on_step(phase, logits, cache) after each forward step. With the
+    disk tier the task owns offload_dir/task_<id>/ (locked; see taskdir.py). Given a fingerprint (of
+    the model and everything else that shapes its KV), the disk tier doubles as a checkpoint: a
+    manifest follows every synced chunk, and a rerun after a crash restores the chunks it vouches
+    for. The directory is removed on success (unless cfg.keep_files) and kept on failure, for the
+    next run to resume from. kv_store (a kvstore.KVStore): adopt the longest stored prefix of this
+    prompt's full chunks, and store the prompt chunks this run computes, under keys chained from
+    the fingerprint (see PromptCache). Under tensor parallelism (layout, see tp.py) each rank keeps
+    its own store in task_<id>/rank<r>/, the ranks resume together from the shortest prefix they all
+    vouch for, and rank 0's sampled token is everyone's."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
     if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
         fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
-    task = {"fingerprint": fingerprint, "dtype": str(model.tok_embeddings.weight.dtype), "device": device.type,
-            "chunk_size": chunk_size, "kv_dtype": kv_dtype, "compress": cfg.compress, "prompt_ids": list(prompt_ids),
-            "max_new_tokens": max_new_tokens, "sampling": vars(sampling)}
+    task = {
+        "fingerprint": fingerprint,
+        "dtype": str(model.tok_embeddings.weight.dtype),
+        "device": device.type,
+        "chunk_size": chunk_size,
+        "kv_dtype": kv_dtype,
+        "compress": cfg.compress,
+        "prompt_ids": list(prompt_ids),
+        "max_new_tokens": max_new_tokens,
+        "sampling": vars(sampling),
+    }
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
-    n_restore = agree_min(n_restore, layout)  # the ranks of a replica step together: same prefix, same replay
+    # the ranks of a replica step together: same prefix, same replay
+    n_restore = agree_min(n_restore, layout)
     replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the writer thread
 
     def durable(n, chunks):  # writer thread: chunks 0..n-1 are synced; vouch for them
         taskdir.write_manifest({**task, "tokens": list(prompt_ids) + list(out), "chunks": chunks})
 
-    ok, cache = False, None
-    # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait for each other
+    def open_cache(n):
+        """A cache with its first n chunks restored from the disk tier: the positions past them
+        are recomputed, the replayed tokens fed again. Returns (cache, chunks restored)."""
+        c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens,
+                       taskdir and taskdir.path, restore=manifest["chunks"] if n else None,
+                       on_durable=durable if taskdir and fingerprint else None,
+                       kv_dtype=kv_dtype)
+        if not n:
+            return c, 0
+        return c, c.store.restore(n, manifest["chunks"])
+
+    ok = False
+    cache = None
+    prompt_cache = None
+    # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait
+    # for each other
     stream = torch.cuda.Stream(device) if on_cuda(device) else None
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            def open_cache(n):  # positions past the n restored chunks are recomputed, the replayed tokens fed again
-                c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens, taskdir and taskdir.path,
-                               restore=manifest["chunks"] if n else None,
-                               on_durable=durable if taskdir and fingerprint else None, kv_dtype=kv_dtype)
-                return c, c.store.restore(n, manifest["chunks"]) if n else 0
             cache, restored = open_cache(n_restore)
             agreed = agree_min(restored, layout)
-            if agreed < restored:  # another rank's store vouches for fewer chunks: reopen ours at that prefix
+            # another rank's store vouches for fewer chunks: reopen ours at that prefix
+            if agreed < restored:
                 cache.store.close()
                 cache = None
                 cache, restored = open_cache(agreed)
             if restored < n_restore and log:
-                log(f"task {task_id}: chunk {restored} is missing or fails its checksum"
-                    f"{' on some rank' if layout.tp > 1 else ''}; recomputing from there")
+                where = " on some rank" if layout.tp > 1 else ""
+                log(f"task {task_id}: chunk {restored} is missing or fails its checksum{where}; "
+                    "recomputing from there")
             cache.length = restored * chunk_size
             resumed_from = cache.length
-            prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model) if kv_store else None
-            if prompt_cache:
+            if kv_store:
+                prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model,
+                                           layout)
                 prompt_cache.adopt(cache)
 
             def step(phase, logits, cache):
@@ -98,31 +127,39 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                     prompt_cache.store_sealed(cache)
                 if on_step:
                     on_step(phase, logits, cache)
-            new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                                        out=out, on_token=on_token, on_step=step, stream=stream, layout=layout)
+            new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens,
+                                        sampling=sampling, eos_ids=eos_ids, out=out,
+                                        on_token=on_token, on_step=step, stream=stream,
+                                        layout=layout)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
         ok = True
     finally:
+        if prompt_cache is not None:
+            prompt_cache.close()  # a failed task's claims end here: its waiters compute
         if cache is not None:
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"], stats["kv_dtype"] = resumed_from, kv_dtype
+    stats["resumed_from"] = resumed_from
+    stats["kv_dtype"] = kv_dtype
     return new, stats
 
 
-def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token, on_step, stream,
-                   layout=None):
-    """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed tokens on
-    entry and the tokens so far as they come; stream is this task's CUDA stream (None on CPU)."""
+def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token,
+                   on_step, stream, layout=None):
+    """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed
+    tokens on entry and the tokens so far as they come; stream is this task's CUDA stream
+    (None on CPU)."""
     peak = {"anon": 0, "rss": 0, "file": 0}
     clock = {"t": time.perf_counter(), "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
-    replayed, io_start = list(out), process_io()
+    replayed = list(out)
+    io_start = process_io()
 
     def step(phase, logits, cache):
         if stream is not None:
-            stream.synchronize()  # this task's work only: another task's steps are not ours to wait for
+            # this task's work only: another task's steps are not ours to wait for
+            stream.synchronize()
         now = time.perf_counter()
         clock[phase + "_s"] += now - clock["t"]
         clock["t"] = now
@@ -134,33 +171,44 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
 
     def token_cb(new):
         out[:] = new  # durable() reads it from the writer thread
-        if len(new) == len(replayed) + 1:  # the first sampled token ends prefill: restart the clock for decoding
+        # the first sampled token ends prefill: restart the clock for decoding
+        if len(new) == len(replayed) + 1:
             clock["ttft_s"] = clock["prefill_s"] + time.perf_counter() - clock["t"]
             clock["t"] = time.perf_counter()
         if on_token:
             on_token(new)
 
+    share = None  # under tensor parallelism rank 0's sampled token is everyone's
+    if layout is not None and layout.tp > 1:
+        share = functools.partial(broadcast_token, layout=layout)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
-    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step, replay=replayed,
-                   share=None if layout is None or layout.tp == 1 else lambda token: broadcast_token(token, layout))
-    snap, io_end = cache.store.snapshot(), process_io()
+    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step,
+                   replay=replayed, share=share)
+    snap = cache.store.snapshot()
+    io_end = process_io()
     weights = weight_bytes(model)
+    decode_rate = 0.0
+    if clock["decode_s"]:
+        decode_rate = round(clock["decode_steps"] / clock["decode_s"], 2)
     return new, {
         "prefill_s": round(clock["prefill_s"], 4),
         "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),
         "ttft_s": round(clock.get("ttft_s", clock["prefill_s"]), 4),
         "decode_s": round(clock["decode_s"], 4),
-        "decoded_tokens": clock["decode_steps"],  # decoded in this run: a resumed task's replayed tokens are not
-        "decode_tokens_per_s": round(clock["decode_steps"] / clock["decode_s"], 2) if clock["decode_s"] else 0.0,
-        # this task's own accounting (CUDA and CPU alike): the weights plus the KV chunks it allocated on the device
+        # decoded in this run: a resumed task's replayed tokens are not
+        "decoded_tokens": clock["decode_steps"],
+        "decode_tokens_per_s": decode_rate,
+        # this task's own accounting (CUDA and CPU alike): the weights plus the KV chunks it
+        # allocated on the device
         "peak_device_bytes": weights + snap["kv_device_bytes_peak"],
         "peak_host_rss_bytes": peak["rss"],
         "peak_host_anon_bytes": peak["anon"],
         "peak_host_file_bytes": peak["file"],
         "pinned_bytes": snap["pinned_bytes"],
-        # bytes: what the store moved (h2d, d2h; disk_write / disk_read through the disk tier's files;
-        # disk_mapped_read: read by attention in place through the mapping, CPU only); io: what this process asked
-        # of storage while the task ran (/proc/self/io, shared by concurrent tasks), the real device I/O
+        # bytes: what the store moved (h2d, d2h; disk_write / disk_read through the disk tier's
+        # files; disk_mapped_read: read by attention in place through the mapping, CPU only); io:
+        # what this process asked of storage while the task ran (/proc/self/io, shared by
+        # concurrent tasks), the real device I/O
         "bytes": snap["bytes"],
         "io": {k: io_end[k] - io_start[k] for k in io_end},
         "chunks": snap["chunks"],
@@ -168,31 +216,59 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
 
 
 class PromptCache:
-    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j, positions
-    [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose result depends only on
-    the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit for bit what recomputing it gives.
-    Chunks filled one generated token at a time (a second turn of a dialogue) are never stored."""
+    """A task's use of the persistent KV store (kvstore.py). Only prompt chunks qualify: chunk j,
+    positions [j*C, (j+1)*C) of the prompt, is computed by prefill in one chunk-aligned step whose
+    result depends only on the tokens [0, (j+1)*C) and the run's settings, so a stored copy is bit
+    for bit what recomputing it gives. Chunks filled one generated token at a time (a second turn of
+    a dialogue) are never stored.
 
-    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model):
-        a, s = model.args, cache.store
-        run = run_fingerprint(fingerprint, dtype=s.dtype, device=s.device, chunk=s.shape, n_layers=a.n_layers,
-                              torch=torch.__version__)  # CPU and CUDA kernels, or torch versions, may round apart
-        self.kv, self.store, self.keys = kv_store, s, chunk_keys(run, prompt_ids, cache.chunk_size)
-        self.P, self.adopted, self.stored, self.pending = len(prompt_ids), 0, [], None
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")  # fsyncs stay off the critical path
+    Tasks that start together compute a shared chunk once: a task claims the chunks it is about to
+    compute (kvstore.KVStore.claim), and another task that needs one of them waits for its entry
+    instead of computing it too. A task waits only before it has claimed anything, and a claim
+    ends when its chunk is stored, its task fails, or its process dies, so no two tasks ever wait
+    for each other; a wait that ends without an entry means computing the chunk here. Not under
+    tensor parallelism: a rank that waits while another rank of its replica does not would split
+    the replica's steps, so its ranks only adopt what is already stored."""
+
+    def __init__(self, kv_store, cache, prompt_ids, fingerprint, model, layout=None):
+        model_args = model.args
+        store = cache.store
+        # CPU and CUDA kernels, or torch versions, may round apart
+        run = run_fingerprint(fingerprint, dtype=store.dtype, device=store.device,
+                              chunk=store.shape, n_layers=model_args.n_layers,
+                              torch=torch.__version__)
+        self.kv = kv_store
+        self.store = store
+        self.layout = layout or Layout.single()
+        self.share = self.layout.tp == 1  # claim and wait (see above)
+        self.keys = chunk_keys(run, prompt_ids, cache.chunk_size)
+        self.P = len(prompt_ids)
+        self.adopted = 0
+        self.claimed = set()  # keys this task computes; each claim is released once stored
+        self.stored = []
+        self.pending = None
+        # fsyncs stay off the critical path
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-store")
         self.bytes_read = 0
 
     def adopt(self, cache):
-        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks and seal them,
-        so they land where this run's --offload and --window put any chunk. At least one prompt token is left
-        to compute: its logits start the decoding."""
-        C, s = cache.chunk_size, self.store
-        n = min(self.kv.lookup(self.keys), (self.P - 1) // C)
+        """Before prefill: read the longest stored prefix of full prompt chunks into the open chunks
+        and seal them, so they land where this run's --offload and --window put any chunk. At least
+        one prompt token is left to compute: its logits start the decoding. The ranks of a replica
+        adopt the same prefix: the longest that every rank's store holds. Then claim the chunks
+        this task computes."""
+        C = cache.chunk_size
+        s = self.store
+        n = (self.P - 1) // C
         while cache.n_sealed < n:
             j = cache.n_sealed
-            host = [s.open_chunk(l) if not s.cuda else torch.empty(s.shape, dtype=s.dtype) for l in range(s.n_layers)]
-            got = self.kv.read(self.keys[j], host)
-            if not got:  # evicted or corrupt since lookup: compute from here on
+            if s.cuda:  # read on the host, then copied into the open chunk on the device
+                host = [torch.empty(s.shape, dtype=s.dtype) for _ in range(s.n_layers)]
+            else:  # read straight into the open chunk
+                host = [s.open_chunk(l) for l in range(s.n_layers)]
+            got = self.fetch(j, host)
+            # a miss here or on another rank (not stored, evicted, corrupt): compute from here on
+            if not agree_min(int(got > 0), self.layout):
                 break
             self.bytes_read += got
             if s.cuda:
@@ -200,27 +276,77 @@ class PromptCache:
                     s.open_chunk(l).copy_(host[l])
             cache.begin(C)
             cache.commit()
-            s.seal(j)                                 # data: as after a prefill step, the window policy places it
+            s.seal(j)  # data: as after a prefill step, the window policy places it
         self.adopted = cache.n_sealed
+        if not self.share:
+            return
+        for key in self.keys[self.adopted:]:
+            # a chunk another task claimed first is computed here too: only work is lost
+            if key not in self.claimed and self.kv.claim(key):
+                self.claimed.add(key)
+
+    def fetch(self, j, host):
+        """Read chunk j into host: the bytes read, or 0 when this task is to compute the chunk. A
+        chunk that another task is computing now is waited for, then read."""
+        key = self.keys[j]
+        got = self.kv.read(key, host)
+        if got or not self.share:
+            return got
+        if self.kv.claim(key):  # nobody computes it: this task will, unless it was stored just now
+            got = self.kv.read(key, host)
+            if got:
+                self.kv.release(key)
+            else:
+                self.claimed.add(key)
+            return got
+        if self.kv.wait_for(key, timeout_s=STALE_CLAIM_S):
+            return self.kv.read(key, host)
+        return 0  # its task failed or died, or hangs: compute it here
 
     def store_sealed(self, cache):
-        """After a prefill step: a prompt chunk this run computed and has just sealed is stored, once the previous
-        store write has finished (one in flight: at most one chunk of host copies waits)."""
+        """After a prefill step: a prompt chunk this run computed and has just sealed is stored,
+        once the previous store write has finished (one write in flight: at most one chunk of host
+        copies waits)."""
         j = cache.n_sealed - 1
         if cache.length % cache.chunk_size or j < self.adopted or j >= len(self.keys):
             return
-        host = [torch.empty(self.store.shape, dtype=self.store.dtype) for _ in range(self.store.n_layers)]
+        host = [torch.empty(self.store.shape, dtype=self.store.dtype)
+                for _ in range(self.store.n_layers)]
         for l, dst in enumerate(host):
             self.store.read_back(l, j, dst)
+        if j + 1 < len(self.keys) and self.keys[j + 1] in self.claimed:
+            self.kv.renew(self.keys[j + 1])  # the next chunk is under way: its claim stays fresh
         if self.pending is not None:
             self.stored.append(self.pending.result())
-        self.pending = self.writer.submit(self.kv.write, self.keys[j], host)
+        self.pending = self.writer.submit(self.write, self.keys[j], host)
+
+    def write(self, key, host):
+        """Writer thread: store one chunk, then release its claim (a waiter adopts the entry, or
+        computes the chunk itself if the write failed)."""
+        try:
+            return self.kv.write(key, host)
+        finally:
+            self.release(key)
+
+    def release(self, key):
+        if key in self.claimed:
+            self.claimed.discard(key)
+            self.kv.release(key)
+
+    def close(self):
+        """Wait for the store write in flight, then release every claim still held: a task that
+        fails leaves none behind, so its waiters compute those chunks themselves."""
+        self.writer.shutdown(wait=True)
+        for key in list(self.claimed):
+            self.release(key)
 
     def finish(self):
         """Wait for the last store write; the task's reuse statistics."""
         if self.pending is not None:
             self.stored.append(self.pending.result())
-        self.writer.shutdown(wait=True)
+        self.close()
         C = self.store.chunk_size
-        return {"reused_tokens": self.adopted * C, "stored_tokens": sum(n > 0 for n in self.stored) * C,
-                "store_bytes_read": self.bytes_read, "store_bytes_written": sum(self.stored)}
+        return {"reused_tokens": self.adopted * C,
+                "stored_tokens": sum(n > 0 for n in self.stored) * C,
+                "store_bytes_read": self.bytes_read,
+                "store_bytes_written": sum(self.stored)}

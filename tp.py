@@ -1,33 +1,42 @@
 """
-Tensor parallel (Megatron style, as gpt-fast's tp.py) and data parallel over processes started by torchrun.
+Tensor parallel (Megatron style, as gpt-fast's tp.py) and data parallel over processes started by
+torchrun.
 
-    layout = init_distributed(tp=2)                    # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; replicas of 2 ranks
-    model = load_sharded(ckpt_dir, layout, device)     # this rank's heads, MLP columns and vocab rows
-    mine = split_tasks(ids, layout.n_replicas, layout.replica)   # data parallel: this replica's tasks
-    new, stats = task.run_task(model, ..., layout=layout)        # each rank's cache holds its own kv heads
+    # torchrun's RANK, WORLD_SIZE, LOCAL_RANK; replicas of 2 ranks
+    layout = init_distributed(tp=2)
+    # this rank's heads, MLP columns and vocab rows
+    model = load_sharded(ckpt_dir, layout, device)
+    # data parallel: this replica's tasks
+    mine = split_tasks(ids, layout.n_replicas, layout.replica)
+    # each rank's cache holds its own kv heads
+    new, stats = task.run_task(model, ..., layout=layout)
 
-A tensor-parallel group of N ranks holds one model. Each rank holds H/N query heads with the kv heads they read,
-and F/N columns of the MLP; the cache of each rank holds its own kv heads only, so KV per rank is 1/N of the
-whole (or one head when G < N). Per layer:
+A tensor-parallel group of N ranks holds one model. Each rank holds H/N query heads with the kv
+heads they read, and F/N columns of the MLP; the cache of each rank holds its own kv heads only, so
+KV per rank is 1/N of the whole (or one head when G < N). Per layer:
 
     x [B, T, E], the same on every rank
-      -> wq wk wv: local heads [B, H/N, T, D] -> attention over this rank's cache -> wo: a partial sum [B, T, E]
-      -> all-reduce (sum) -> + x -> w1 w3: local columns [B, T, F/N] -> w2: a partial sum -> all-reduce -> + x
+      -> wq wk wv: local heads [B, H/N, T, D] -> attention over this rank's cache
+      -> wo: a partial sum [B, T, E] -> all-reduce (sum) -> + x
+      -> w1 w3: local columns [B, T, F/N] -> w2: a partial sum -> all-reduce -> + x
 
-so two all-reduces per layer, each of B*T*E numbers. The embedding and output head are cut by vocab rows
-(vocab="shard": each rank looks up the tokens in its range, an all-reduce sums; each rank computes its slice
-of the logits, an all-gather joins them), or kept whole on every rank (vocab="replicate"). Sharding is the
-default because the two tables are whole on every rank otherwise: at Llama-3-70B, N=8, 4.2 GB of bf16 per rank
-instead of 0.5 GB (+21% weights per rank), and a replicated head reads all V*E of it for every token; the price
-is one small all-reduce and one all-gather of V/N logits per step (tools/tp_vocab.py measures both).
+so two all-reduces per layer, each of B*T*E numbers. The embedding and output head are cut by vocab
+rows (vocab="shard": each rank looks up the tokens in its range, an all-reduce sums; each rank
+computes its slice of the logits, an all-gather joins them), or kept whole on every rank
+(vocab="replicate"). Sharding is the default because the two tables are whole on every rank
+otherwise: at Llama-3-70B, N=8, 4.2 GB of bf16 per rank instead of 0.5 GB (+21% weights per rank),
+and a replicated head reads all V*E of it for every token; the price is one small all-reduce and one
+all-gather of V/N logits per step (tools/tp_vocab.py measures both).
 
-A world of W ranks is W/N groups (replicas), each of N consecutive ranks, so a group stays on one machine when
-the ranks of a machine are numbered together (torchrun does). split_tasks deals tasks to the replicas.
-Every function here is a no-op on a single process (Layout.single()), so the loop can call them unconditionally.
+A world of W ranks is W/N groups (replicas), each of N consecutive ranks, so a group stays on one
+machine when the ranks of a machine are numbered together (torchrun does). split_tasks deals tasks
+to the replicas. Every function here is a no-op on a single process (Layout.single()), so the loop
+can call them unconditionally.
 
-Limits: the ranks of a replica must issue the same collectives in the same order, so a replica runs one task at
-a time (no --concurrency), and an error on one rank leaves the others waiting in a collective until torchrun stops
-the job (a rerun resumes). Batch size 1, as everywhere in this project.
+Limits: the ranks of a replica must issue the same collectives in the same order, so a replica runs
+one task at a time (no --concurrency), and an error on one rank leaves the others waiting in a
+collective until torchrun stops the job (a rerun resumes). Batch size 1, as everywhere in this
+project.
 """
 import functools
 import hashlib
@@ -49,7 +58,7 @@ VOCAB_MODES = ("shard", "replicate")
 
 
 class TPError(ValueError):
-    """A parallel layout that cannot hold this model; one sentence naming the size and what to do."""
+    """A layout that cannot hold this model; one sentence naming the size and what to do."""
 
 
 # -----------------------------------------------------------------------------
@@ -60,7 +69,7 @@ class Layout:
     rank: int = 0                  # global rank (torchrun's RANK)
     world: int = 1                 # all ranks (WORLD_SIZE)
     tp: int = 1                    # N, ranks that hold one model between them
-    device: Any = "cpu"            # this rank's device; collectives of NCCL need their tensors there
+    device: Any = "cpu"            # this rank's device; NCCL's collectives need their tensors there
     group: Optional[Any] = None    # the process group of this rank's replica (None when N = 1)
 
     @classmethod
@@ -68,11 +77,13 @@ class Layout:
         return cls(device=device)
 
     @property
-    def tp_rank(self):             # this rank's index inside its replica: which heads and columns it holds
+    def tp_rank(self):
+        """This rank's index inside its replica: which heads and columns it holds."""
         return self.rank % self.tp
 
     @property
-    def replica(self):             # which replica (data-parallel group) this rank belongs to
+    def replica(self):
+        """Which replica (data-parallel group) this rank belongs to."""
         return self.rank // self.tp
 
     @property
@@ -80,7 +91,8 @@ class Layout:
         return self.world // self.tp
 
     @property
-    def leader(self):              # global rank of the replica's rank 0: it samples, prints and writes results
+    def leader(self):
+        """Global rank of the replica's rank 0: it samples, prints and writes results."""
         return self.replica * self.tp
 
     @property
@@ -88,42 +100,50 @@ class Layout:
         return self.rank == self.leader
 
     def rank_dir(self):
-        """Subdirectory of a task's directory for this rank's store (None without tensor parallel)."""
+        """A task's subdirectory for this rank's store (None without tensor parallel)."""
         return f"rank{self.tp_rank}" if self.tp > 1 else None
 
     def fingerprint_part(self):
-        """What of the layout changes the bytes of a rank's KV: N and the heads this rank holds. A store written
-        under another N is refused on resume. (Which replica runs a task does not matter.)"""
+        """What of the layout changes the bytes of a rank's KV: N and the heads this rank holds.
+        A store written under another N is refused on resume. (The replica does not matter.)"""
         return f"tp{self.tp}.{self.tp_rank}" if self.tp > 1 else ""
 
 
 def init_distributed(tp=None, device=None):
-    """Join the process group torchrun set up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR in the environment) and
-    return this rank's Layout. tp: ranks per model (default all). Without torchrun: Layout.single(device)."""
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR in the
+    environment) and return this rank's Layout. tp: ranks per model (default all). Without
+    torchrun: Layout.single(device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Layout.single(device or "cpu")
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
     tp = tp or world
     if tp < 1 or world % tp:
-        raise TPError(f"the world of {world} ranks cannot be cut into tensor-parallel groups of {tp}; "
-                      f"choose --tp dividing {world}")
+        raise TPError(f"the world of {world} ranks cannot be cut into tensor-parallel groups of "
+                      f"{tp}; choose --tp dividing {world}")
     cuda = torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
     if cuda:
         device = torch.device("cuda", local)  # one GPU per rank of this machine
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    # every rank creates every group, in the same order (new_group is collective); it keeps its own
-    groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)] if tp > 1 else []
-    return Layout(rank, world, tp, device if cuda else "cpu", groups[rank // tp] if groups else None)
+    group = None
+    if tp > 1:
+        # every rank creates every group, in the same order (new_group is collective);
+        # it keeps its own
+        groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world // tp)]
+        group = groups[rank // tp]
+    return Layout(rank, world, tp, device if cuda else "cpu", group)
 
 
 def split_tasks(task_ids, n_groups, group_index):
-    """The task ids replica `group_index` of `n_groups` runs: by a stable hash of the id (sha256, not Python's
-    salted hash), so a rerun, or a run with more tasks, sends each id to the same replica as before."""
+    """The task ids replica `group_index` of `n_groups` runs: by a stable hash of the id (sha256,
+    not Python's salted hash), so a rerun, or a run with more tasks, sends each id to the same
+    replica as before."""
     def bucket(task_id):
-        return int.from_bytes(hashlib.sha256(str(task_id).encode()).digest()[:8], "big") % n_groups
+        digest = hashlib.sha256(str(task_id).encode()).digest()
+        return int.from_bytes(digest[:8], "big") % n_groups
     return [t for t in task_ids if bucket(t) == group_index]
 
 
@@ -131,13 +151,15 @@ def split_tasks(task_ids, n_groups, group_index):
 # collectives the loop calls (each a no-op on one process)
 
 def all_reduce_sum(x, layout):
-    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=layout.group)  # in place; x is this layer's fresh output
+    # in place; x is this layer's fresh output
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=layout.group)
     return x
 
 
 def broadcast_token(token, layout):
-    """token [B, 1] on layout.device: the leader's sample replaces every rank's, so a sampler whose result could
-    differ across ranks (a different RNG stream, a logit off by one ulp) never splits the replica's caches."""
+    """token [B, 1] on layout.device: the leader's sample replaces every rank's, so a sampler whose
+    result could differ across ranks (a different RNG stream, a logit off by one ulp) never splits
+    the replica's caches."""
     if layout.tp > 1:
         dist.broadcast(token, src=layout.leader, group=layout.group)
     return token
@@ -153,7 +175,8 @@ def gather_stats(stats, layout):
 
 
 def agree_min(n, layout):
-    """The smallest n of the replica: a task resumes from the longest prefix every rank's store vouches for."""
+    """The smallest n of the replica:
+    a task resumes from the longest prefix every rank's store vouches for."""
     if layout.tp == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64, device=layout.device)
@@ -166,90 +189,110 @@ def agree_min(n, layout):
 
 @dataclass
 class Shard:
-    """This rank's share of the model: index ranges into the checkpoint's rows (heads, columns, vocab)."""
+    """This rank's share of the model:
+    index ranges into the checkpoint's rows (heads, columns, vocab)."""
     n: int
     heads: range       # local query heads
-    kv_heads: range    # local kv heads (one head, replicated across the ranks that share it, when G < N)
+    kv_heads: range    # local kv heads (when G < N: one head, replicated on the ranks sharing it)
     ffn: range         # local MLP columns
     vocab: range       # local vocab rows (padded: the last rank's tail may run past V)
 
     @classmethod
-    def of(cls, args, n, tp_rank, vocab="shard"):
-        H, G, F_, V = args.n_heads, args.n_kv_heads, args.hidden_dim, args.vocab_size
+    def of(cls, model_args, n, tp_rank, vocab="shard"):
+        H = model_args.n_heads
+        G = model_args.n_kv_heads
+        F_ = model_args.hidden_dim
+        V = model_args.vocab_size
         if H % n:
-            raise TPError(f"{n} ranks cannot split the model's {H} attention heads evenly; use a tensor-parallel "
-                          f"size that divides {H}")
+            raise TPError(f"{n} ranks cannot split the model's {H} attention heads evenly; use a "
+                          f"tensor-parallel size that divides {H}")
         if (G >= n and G % n) or (G < n and n % G):
-            raise TPError(f"{n} ranks cannot share the model's {G} key/value heads; use a tensor-parallel size "
-                          f"that divides {G} or is a multiple of it")
+            raise TPError(f"{n} ranks cannot share the model's {G} key/value heads; use a "
+                          f"tensor-parallel size that divides {G} or is a multiple of it")
         if F_ % n:
-            raise TPError(f"{n} ranks cannot split the MLP's {F_} columns (intermediate_size) evenly; use a "
-                          f"tensor-parallel size that divides {F_}")
+            raise TPError(f"{n} ranks cannot split the MLP's {F_} columns (intermediate_size) "
+                          f"evenly; use a tensor-parallel size that divides {F_}")
         if vocab not in VOCAB_MODES:
             raise TPError(f"vocab must be one of {VOCAB_MODES}, got {vocab!r}")
         h = H // n
         if G >= n:
             g = G // n
             kv = range(tp_rank * g, (tp_rank + 1) * g)
-        else:  # fewer kv heads than ranks: each rank holds the one its query heads read (as vLLM does)
-            kv = range(tp_rank * h // (H // G), tp_rank * h // (H // G) + 1)
+        else:  # fewer kv heads than ranks: each rank holds the one its query heads read (as vLLM)
+            first = tp_rank * h // (H // G)
+            kv = range(first, first + 1)
         f = F_ // n
-        v = -(-V // n)  # ceil: every rank's slice has the same shape, the last one padded with zero rows
-        vr = range(tp_rank * v, (tp_rank + 1) * v) if vocab == "shard" else range(V)
-        return cls(n, range(tp_rank * h, (tp_rank + 1) * h), kv, range(tp_rank * f, (tp_rank + 1) * f), vr)
+        v = -(-V // n)  # ceil: every rank's slice has one shape, the last one padded with zero rows
+        vocab_rows = range(tp_rank * v, (tp_rank + 1) * v) if vocab == "shard" else range(V)
+        heads = range(tp_rank * h, (tp_rank + 1) * h)
+        ffn = range(tp_rank * f, (tp_rank + 1) * f)
+        return cls(n, heads, kv, ffn, vocab_rows)
 
 
-def per_rank_bytes(args, n, context, dtype=torch.bfloat16, vocab="shard"):
-    """On paper, for the leader (which alone adds the row-parallel biases): weight bytes and KV bytes of
-    `context` positions (batch 1) held by one rank of an N-rank replica. Checked against a measured tiny model."""
-    s = Shard.of(args, n, 0, vocab)
-    E, D, h, g, f = args.dim, args.head_dim, len(s.heads), len(s.kv_heads), len(s.ffn)
-    layer = 2 * E + (2 * h + 2 * g) * D * E + 3 * E * f                 # norms, wq wo wk wv, w1 w3 w2
-    layer += (h + 2 * g) * D * args.qkv_bias + E * args.o_bias + (2 * f + E) * args.mlp_bias
-    tables = len(s.vocab) * E * (1 if args.tie_embeddings else 2)      # embedding and output head
+def per_rank_bytes(model_args, n, context, dtype=torch.bfloat16, vocab="shard"):
+    """On paper, for the leader (which alone adds the row-parallel biases): weight bytes and KV
+    bytes of `context` positions (batch 1) held by one rank of an N-rank replica. Checked against a
+    measured tiny model."""
+    s = Shard.of(model_args, n, 0, vocab)
+    E = model_args.dim
+    D = model_args.head_dim
+    h = len(s.heads)
+    g = len(s.kv_heads)
+    f = len(s.ffn)
+    layer = 2 * E + (2 * h + 2 * g) * D * E + 3 * E * f  # norms, wq wo wk wv, w1 w3 w2
+    layer += (h + 2 * g) * D * model_args.qkv_bias
+    layer += E * model_args.o_bias + (2 * f + E) * model_args.mlp_bias
+    # embedding and output head
+    tables = len(s.vocab) * E * (1 if model_args.tie_embeddings else 2)
     size = torch.empty((), dtype=dtype).element_size()
-    return {"weights": (args.n_layers * layer + E + tables) * size,
-            "kv": 2 * args.n_layers * g * D * context * size}
+    return {"weights": (model_args.n_layers * layer + E + tables) * size,
+            "kv": 2 * model_args.n_layers * g * D * context * size}
 
 
 # -----------------------------------------------------------------------------
 # vocab-sharded embedding and output head
 
 class ShardedEmbedding(nn.Module):
-    """Rows [start, start + V/N) of the embedding: each token is found on exactly one rank, the others add zeros."""
+    """Rows [start, start + V/N) of the embedding: each token is found on exactly one rank, the
+    others add zeros."""
 
     def __init__(self, weight, start, layout):
         super().__init__()
-        self.weight, self.start, self.layout = weight, start, layout
+        self.weight = weight
+        self.start = start
+        self.layout = layout
 
     def forward(self, tokens):
-        local = tokens - self.start                                          # [B, T]
+        local = tokens - self.start                                       # [B, T]
         mine = (local >= 0) & (local < self.weight.shape[0])
         x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)  # [B, T, E]
         return all_reduce_sum(x.masked_fill(~mine[..., None], 0.0), self.layout)
 
 
 class ShardedHead(nn.Module):
-    """Logits of this rank's vocab rows, gathered from every rank into [B, T, V] (identical on every rank)."""
+    """Logits of this rank's vocab rows, gathered from every rank into [B, T, V]
+    (identical on every rank)."""
 
     def __init__(self, weight, vocab_size, layout):
         super().__init__()
-        self.weight, self.vocab_size, self.layout = weight, vocab_size, layout
+        self.weight = weight
+        self.vocab_size = vocab_size
+        self.layout = layout
 
     def forward(self, x):
-        part = F.linear(x, self.weight).contiguous()                        # [B, T, V/N]
+        part = F.linear(x, self.weight).contiguous()                      # [B, T, V/N]
         parts = [torch.empty_like(part) for _ in range(self.layout.tp)]
         dist.all_gather(parts, part, group=self.layout.group)
-        return torch.cat(parts, dim=-1)[..., :self.vocab_size]             # [B, T, V]: padding rows cut
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]           # [B, T, V]: padding cut
 
 
 # -----------------------------------------------------------------------------
 # loading: each rank reads its slices only
 
-def _plan(name, args, s, layout):
+def _plan(name, model_args, s, layout):
     """(dim, rows) of the checkpoint tensor this rank reads for parameter `name`; None = all of it;
-    "leader" = all of it on the leader only (a row-parallel bias must be added once, not N times)."""
-    D = args.head_dim
+    "leader" = all of it on the leader only (a row-parallel bias is added once, not N times)."""
+    D = model_args.head_dim
     kind = name.rsplit(".", 2)[-2:]  # e.g. ["wq", "weight"]
     heads = range(s.heads.start * D, s.heads.stop * D)
     kv = range(s.kv_heads.start * D, s.kv_heads.stop * D)
@@ -260,14 +303,15 @@ def _plan(name, args, s, layout):
             return "leader"
         dim, rows = table[kind[0]]
         return (0 if kind[1] == "bias" else dim), rows
-    if name in ("tok_embeddings.weight", "output.weight") and len(s.vocab) < args.vocab_size:
+    if name in ("tok_embeddings.weight", "output.weight") and len(s.vocab) < model_args.vocab_size:
         return 0, s.vocab
     return None
 
 
 def _read(sl, plan, full):
-    """(the part of a safetensors slice this rank holds, bytes read from the file for it). Vocab rows past the end
-    of the table (padding, so every rank's slice has one shape) are zeros, not read."""
+    """(the part of a safetensors slice this rank holds, bytes read from the file for it).
+    Vocab rows past the end of the table are zeros, not read: padding, so that every rank's slice
+    has one shape."""
     if plan in (None, "leader"):
         t = sl[:]
         return t, t.numel() * t.element_size()
@@ -283,52 +327,58 @@ def _read(sl, plan, full):
 
 
 def _slices(ckpt_dir):
-    """Yield (name, safetensors slice, file) for every tensor; a slice reads nothing until it is indexed."""
+    """Yield (name, safetensors slice, file) for every tensor;
+    a slice reads nothing until it is indexed."""
     for path in checkpoint_files(ckpt_dir):
         try:
             f = safe_open(path, framework="pt")
-        except Exception as e:  # safetensors reports truncation and corruption with its own error types
-            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is truncated or corrupt") from None
+        # safetensors reports truncation and corruption with its own error types
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is "
+                                  "truncated or corrupt") from None
         with f:
             for name in f.keys():
                 yield name, f.get_slice(name), path
 
 
 @torch.no_grad()
-def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="shard", rope_override=None):
-    """This rank's share of a Hugging Face checkpoint: built on the meta device with full sizes, then each
-    parameter is assigned the slice read by safetensors' get_slice (only those bytes leave the file).
-    model.loaded_bytes counts them. With Layout.single() this is the whole model, as from_pretrained.
-    rope_override: as Transformer.from_pretrained's."""
-    config = os.path.join(ckpt_dir, "config.json")
-    args = ModelArgs.from_config(read_json(config), config)
+def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="shard",
+                 rope_override=None):
+    """This rank's share of a Hugging Face checkpoint: built on the meta device with full sizes,
+    then each parameter is assigned the slice read by safetensors' get_slice (only those bytes
+    leave the file). model.loaded_bytes counts them. With Layout.single() this is the whole model,
+    as from_pretrained. rope_override: as Transformer.from_pretrained's."""
+    config_path = os.path.join(ckpt_dir, "config.json")
+    model_args = ModelArgs.from_config(read_json(config_path), config_path)
     if rope_override is not None:
-        args = args.with_rope_override(*rope_override)
-    s = Shard.of(args, layout.tp, layout.tp_rank, vocab)
+        model_args = model_args.with_rope_override(*rope_override)
+    s = Shard.of(model_args, layout.tp, layout.tp_rank, vocab)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(model_args)
     params = dict(model.named_parameters(remove_duplicate=False))
-    loaded, model.loaded_bytes = set(), 0
+    loaded = set()
+    model.loaded_bytes = 0
     for hf_name, sl, path in _slices(ckpt_dir):
         full = tuple(sl.get_shape())
-        name = expected(hf_name, full, params, args, path)
+        name = expected(hf_name, full, params, model_args, path)
         if name is None:
             continue
-        plan = _plan(name, args, s, layout)
+        plan = _plan(name, model_args, s, layout)
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         loaded.add(name)
         if plan == "leader" and not layout.is_leader:
-            setattr(module, attr, None)  # nn.Linear then adds no bias: the leader's is summed in once
+            # nn.Linear then adds no bias: the leader's is summed in once
+            setattr(module, attr, None)
             continue
         t, n = _read(sl, plan, full)
         model.loaded_bytes += n
         setattr(module, attr, nn.Parameter(t.to(device, dtype), requires_grad=False))
-    check_complete(params, loaded, args, ckpt_dir)
-    if args.tie_embeddings:
+    check_complete(params, loaded, model_args, ckpt_dir)
+    if model_args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # the same rows, sharded the same way
     _wire(model, s, layout)
-    model.inv_freq = rope_inv_freq(args).to(device)
+    model.inv_freq = rope_inv_freq(model_args).to(device)
     return model.eval()
 
 
@@ -338,11 +388,14 @@ def _wire(model, s, layout):
         return
     reduce = functools.partial(all_reduce_sum, layout=layout)
     for block in model.layers:
-        a = block.attention
-        a.n_local_heads, a.n_local_kv_heads = len(s.heads), len(s.kv_heads)
-        a.all_reduce = block.feed_forward.all_reduce = reduce
-        for lin in (a.wq, a.wk, a.wv, a.wo, block.feed_forward.w1, block.feed_forward.w3, block.feed_forward.w2):
-            lin.out_features, lin.in_features = lin.weight.shape  # keep repr() honest about the local shapes
+        attention = block.attention
+        ffn = block.feed_forward
+        attention.n_local_heads = len(s.heads)
+        attention.n_local_kv_heads = len(s.kv_heads)
+        attention.all_reduce = ffn.all_reduce = reduce
+        for lin in (attention.wq, attention.wk, attention.wv, attention.wo, ffn.w1, ffn.w3, ffn.w2):
+            # keep repr() honest about the local shapes
+            lin.out_features, lin.in_features = lin.weight.shape
     if len(s.vocab) < model.args.vocab_size:
         model.tok_embeddings = ShardedEmbedding(model.tok_embeddings.weight, s.vocab.start, layout)
         model.output = ShardedHead(model.output.weight, model.args.vocab_size, layout)
@@ -351,15 +404,18 @@ def _wire(model, s, layout):
 # -----------------------------------------------------------------------------
 # the table on paper: python tp.py
 
-LLAMA_70B = ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, hidden_dim=28672,
-                      vocab_size=128256)
+LLAMA_70B = ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128,
+                      hidden_dim=28672, vocab_size=128256)
 
 if __name__ == "__main__":
-    GiB, ctx = 2 ** 30, 32768
+    GiB = 2 ** 30
+    ctx = 32768
     print(f"Llama-3-70B shape, bf16, batch 1, KV of {ctx} positions, per rank (the leader)")
     print("| N | weights, vocab sharded | weights, vocab replicated | KV at 32K | KV per token |")
     print("|---|---|---|---|---|")
     for n in (1, 2, 4, 8):
-        sh, rp = per_rank_bytes(LLAMA_70B, n, ctx), per_rank_bytes(LLAMA_70B, n, ctx, vocab="replicate")
-        print(f"| {n} | {sh['weights'] / GiB:.1f} GiB | {rp['weights'] / GiB:.1f} GiB | {sh['kv'] / GiB:.2f} GiB "
-              f"| {sh['kv'] // ctx // 1024} KiB |")
+        sharded = per_rank_bytes(LLAMA_70B, n, ctx)
+        replicated = per_rank_bytes(LLAMA_70B, n, ctx, vocab="replicate")
+        print(f"| {n} | {sharded['weights'] / GiB:.1f} GiB | "
+              f"{replicated['weights'] / GiB:.1f} GiB | {sharded['kv'] / GiB:.2f} GiB "
+              f"| {sharded['kv'] // ctx // 1024} KiB |")
