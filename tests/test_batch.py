@@ -1,10 +1,12 @@
 """
-Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with byte-identical results, a disk
-that fills up for real (RLIMIT_FSIZE), corrupt chunks and foreign manifests, hostile ids, two users of one task
-directory, owner-only files, the monitor's alerts and trace, and bad input lines.
+Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with byte-identical
+results, concurrent tasks equal to serial ones, a torn results file, a disk that fills up for real
+(RLIMIT_FSIZE), resume, corrupt chunks and foreign manifests, hostile ids, two users of one task
+directory, owner-only files, the monitor's alerts, the trace and the statistics, and bad input lines.
+(Other storage faults are in test_disk_faults.py.)
 
-generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere cli.main()
-runs in-process, which is the same code minus ~3 s of importing torch.
+generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere
+cli.main() runs in-process, which is the same code minus ~3 s of importing torch.
 """
 import errno
 import json
@@ -181,6 +183,54 @@ def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_pa
 
 
 # -----------------------------------------------------------------------------
+# several tasks at once, and a results file torn by a crash
+
+# 1 to 4 chunks of prompt, sampled
+TASKS = [{"id": f"t{i}", "prompt": TOPICS[topic][:60 + 45 * i], "max_new_tokens": 12,
+          "temperature": 0.8, "seed": i}
+         for i, topic in enumerate(("pass", "break", "continue", "del"))]
+
+
+@pytest.fixture(scope="module")
+def serial(text_ckpt, tmp_path_factory):
+    """TASKS run one at a time on the disk tier: {id: result}."""
+    d = tmp_path_factory.mktemp("serial")
+    tasks = write_tasks(d / "tasks.jsonl", TASKS)
+    argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", *DISK, "--top-p", "0.9")
+    assert cli.main([str(a) for a in argv]) == 0
+    return by_id(d / "results.jsonl")
+
+
+@pytest.mark.parametrize("concurrency", [2, 3])
+def test_concurrent_tasks_equal_their_serial_results(text_ckpt, tmp_path, capsys, serial,
+                                                     concurrency):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS)
+    argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", tmp_path / "off", *DISK,
+                      "--top-p", "0.9", "--concurrency", concurrency)
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    got = by_id(tmp_path / "results.jsonl")
+    assert sorted(got) == sorted(serial)
+    for i, r in got.items():
+        assert r["tokens"] == serial[i]["tokens"], f"task {i} differs at concurrency {concurrency}"
+        assert r["stats"]["chunks"]["disk"] > 0 or r["prompt_tokens"] + 12 <= 2 * C, r["stats"]
+
+
+def test_torn_last_line_is_repaired(text_ckpt, tmp_path, capsys, serial):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS[:2])
+    output = tmp_path / "results.jsonl"
+    whole = json.dumps(serial["t0"]) + "\n"
+    output.write_text(whole + '{"id": "t1", "prompt_ids": [1, 2')  # a writer died mid-line
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK, "--top-p", "0.9")
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert "removed a partial last line" in err and "1 of 2 tasks already in" in err, err
+    lines = results(output)  # every line whole and parseable
+    assert lines[0][0] + "\n" == whole and [r["id"] for _, r in lines] == ["t0", "t1"]
+    assert lines[1][1]["tokens"] == serial["t1"]["tokens"]
+
+
+# -----------------------------------------------------------------------------
 # a disk that fills up: RLIMIT_FSIZE in the child, so the disk tier's writes fail with EFBIG
 
 LIMIT = 40 * 1024  # bytes per file: the short task's disk tier fits, the long task's does not
@@ -312,6 +362,27 @@ def test_crashed_run_resumes_and_its_rerun_keeps_checkpointing(lm, ids_and_refer
     assert after["tokens"] == ids + ref[:len(after["tokens"]) - len(ids)]
 
 
+def test_resumed_task_reports_only_what_it_decoded(llama_ckpt, tmp_path):
+    """After a resume, the replayed tokens are fed again, not decoded: decoded_tokens and the decode
+    rate count only the tokens this run sampled (the batch summary adds decoded_tokens)."""
+    model = Transformer.from_pretrained(llama_ckpt)
+    ids = torch.randint(3, 128, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path), keep_files=True)
+
+    class Crash(Exception):
+        pass
+
+    def crash(out):
+        if len(out) == 30:
+            raise Crash
+    with pytest.raises(Crash):
+        run_task(model, ids, 40, chunk_size=8, cfg=cfg, on_token=crash, fingerprint="fp",
+                 task_id="t")
+    new, st = run_task(model, ids, 40, chunk_size=8, cfg=cfg, fingerprint="fp", task_id="t")
+    assert st["resumed_from"] > 0 and len(new) == 40
+    assert 0 < st["decoded_tokens"] < 40 - (st["resumed_from"] - len(ids)) + 1, st
+
+
 @pytest.mark.parametrize("compress", ["none", "zstd"])
 def test_corrupt_chunk_restores_only_the_chunks_before_it(lm, ids_and_reference, tmp_path, compress):
     ids, ref = ids_and_reference
@@ -427,7 +498,7 @@ def test_second_user_of_a_task_dir_is_refused_across_processes(text_ckpt, tmp_pa
 
 
 # -----------------------------------------------------------------------------
-# the monitor: alerts and trace
+# the monitor: alerts, trace and statistics
 
 @pytest.fixture
 def store(tmp_path):
@@ -524,6 +595,43 @@ def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, t
     assert [e["phase"] for e in events] == ["prefill"] * -(-len(ids) // C) + ["decode"] * (NEW - 1)
     assert [e["position"] for e in events][-1] == len(ids) + NEW - 1
     assert sum(e["bytes"]["disk_write"] for e in events) > 0 and events[-1]["chunks"]["disk"] > 0
+
+
+ONE = [{"id": "one", "prompt": TOPICS["else"][:400], "max_new_tokens": 6}]  # ~100 tokens
+STATS_KEYS = {"prefill_s", "prefill_tokens_per_s", "ttft_s", "decode_s", "decoded_tokens",
+              "decode_tokens_per_s", "peak_device_bytes", "peak_host_rss_bytes",
+              "peak_host_anon_bytes", "peak_host_file_bytes", "pinned_bytes", "bytes", "io", "chunks",
+              "resumed_from", "kv_dtype"}
+
+
+def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
+    """The statistics, the trace and the summary as a user gets them from a batch run."""
+    trace = tmp_path / "trace.jsonl"
+    tasks = write_tasks(tmp_path / "tasks.jsonl", ONE)
+    argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", tmp_path / "off", *DISK,
+                      "--device", "cpu", "--trace", trace)
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    r = by_id(tmp_path / "results.jsonl")["one"]
+    st = r["stats"]
+    assert set(st) == STATS_KEYS, set(st) ^ STATS_KEYS
+    assert set(st["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read",
+                                "window_skipped"}
+    assert set(st["io"]) == {"storage_read", "storage_write"}
+    assert set(st["chunks"]) == {"device", "host", "disk"}
+    # CPU: no host-to-device link, nothing pinned
+    assert st["bytes"]["h2d"] == 0 and st["pinned_bytes"] == 0, st
+    assert st["decoded_tokens"] == len(r["tokens"]) - 1 and st["resumed_from"] == 0
+    assert min(st["prefill_s"], st["decode_s"], st["ttft_s"], st["peak_host_anon_bytes"]) > 0
+    assert st["peak_host_rss_bytes"] >= st["peak_host_anon_bytes"]
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert "run_start" in events[0] and all(e["task"] == "one" for e in events[1:])
+    prefill_steps = -(-r["prompt_tokens"] // C)
+    decode_steps = len(r["tokens"]) - 1
+    assert [e["phase"] for e in events[1:]] == ["prefill"] * prefill_steps + ["decode"] * decode_steps
+    assert sum(e["bytes"]["disk_write"] for e in events[1:]) == st["bytes"]["disk_write"]
+    assert "tasks: 1 done, 0 failed, 0 resumed" in err, err
+    assert f"decode: {len(r['tokens']) - 1} tokens" in err, err
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """
-bench.py as a user runs it, on a tiny random model: the table and the JSON contract, the random checkpoint that
-transformers also loads (same greedy ids), the probe's prediction on the CPU, and bad flags answered with one line
-and exit code 2 before any heavy work. No timing is asserted: the machines these run on are noisy.
+bench.py as a user runs it, on a tiny random model: the table and the JSON contract, the random
+checkpoint that transformers also loads (same greedy ids), the probe's prediction on the CPU (and
+probe.py as a command of its own), and bad flags answered with one line and exit code 2 before any heavy
+work. No timing is asserted: the machines these run on are noisy.
 """
 import json
 import os
@@ -67,6 +68,12 @@ def test_probe_predicts_on_cpu(tmp_path):
     if not torch.cuda.is_available():
         assert "CUDA is absent" in p.stdout
     assert [f for f in os.listdir(tmp_path) if f.startswith(".bench")] == [], "probe scratch files left behind"
+
+
+def test_probe_py_is_a_command():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), "--help"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "--probe" in p.stdout
 
 
 @pytest.mark.parametrize("argv", [

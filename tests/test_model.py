@@ -1,7 +1,8 @@
 """
-model.py judged against transformers: tiny random checkpoints that transformers builds and loads itself, our fp32
-logits against its fp32 logits, our greedy tokens against its generate(); then bad checkpoints, each refused with
-a CheckpointError that names the file, field or tensor at fault.
+model.py judged against transformers: tiny random checkpoints that transformers builds and loads
+itself, our fp32 logits against its fp32 logits, our greedy tokens against its generate(), our bf16 and
+fp16 logits within the dtype's own rounding of its; then bad checkpoints, each refused with a
+CheckpointError that names the file, field or tensor at fault.
 """
 import json
 import os
@@ -156,6 +157,30 @@ def test_loaded_model_is_materialised(pair, case):
     assert {p.dtype for p in ours.parameters()} == {torch.float32}
     assert not any(p.requires_grad for p in ours.parameters())
     assert not ours.training
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_parity_with_transformers(checkpoint, dtype):
+    """Our logits in bf16/fp16 are as close to transformers' in that dtype as transformers' are to
+    exact (fp32): the tolerance is the dtype's own rounding, measured, not a constant."""
+    from transformers import AutoModelForCausalLM
+    path = checkpoint()
+    tokens = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        exact = Transformer.from_pretrained(path)(tokens)[0]
+        ours = Transformer.from_pretrained(path, dtype=dtype)(tokens)[0]
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()(tokens)
+        theirs = theirs.logits[0].float()
+    rounding = (theirs - exact).abs().max().item()
+    diff = (ours - theirs).abs().max().item()
+    assert rounding > 1e-3, "not computed in low precision"
+    assert diff <= 2 * rounding, (diff, rounding)
+    assert (ours - exact).abs().max().item() <= 2 * rounding, (diff, rounding)
+    top2 = theirs.topk(2, dim=-1).values
+    # positions where our difference cannot flip the greedy choice
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+    assert clear.sum() >= len(clear) // 2
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """
-Offload changes where bytes live, never the math: every mode against --offload none (torch.equal), the cached
-path against the unchunked reference, memory that does not grow with context on the disk tier, CUDA ordering.
+Offload changes where bytes live, never the math: every mode against --offload none (torch.equal), the
+cached path against the unchunked reference (and a step across a chunk boundary refused), memory that
+does not grow with context on the disk tier, CUDA ordering.
 """
 import json
 import os
@@ -128,6 +129,18 @@ def test_step_may_not_cross_a_chunk_boundary(llama):
     with pytest.raises(ValueError, match="crosses a chunk boundary"):
         cache.begin(9)
     cache.store.close()
+
+
+def test_model_call_across_a_chunk_boundary_is_the_caches_clear_error(llama):
+    from kvcache import make_cache
+    cache = make_cache(llama, OffloadConfig(), 8, 64)
+    try:
+        with pytest.raises(ValueError, match="crosses a chunk boundary"):
+            llama(torch.randint(3, 100, (1, 12)), cache)
+        with pytest.raises(ValueError, match="cache.begin"):  # fits, but begin() was not called
+            llama(torch.randint(3, 100, (1, 4)), cache)
+    finally:
+        cache.store.close()
 
 
 def test_long_context_through_disk_tier(llama, tmp_path):
