@@ -19,7 +19,7 @@ What runs when:
     on a GPU it runs later; the race detector still treats the compute stream as an actor of its
     own, behind the host).
 Happens-before is tracked by race.py's vector clocks. The compute stream's accesses cannot be seen
-op by op, so the store's verbs are hooked (see hook_store): open_chunk is a compute write of the
+op by op, so the store's verbs are hooked (see emu_store.py): open_chunk is a compute write of the
 open chunk, load a compute read of the chunk it returns; DiskTier.read_into / write are host
 accesses of the worker thread; the executor's submit/result and the store's queues (the write
 bounces' hand-back) carry clocks between threads.
