@@ -1,15 +1,18 @@
 """
-Negative controls for the emulated CUDA tests: remove each stream-ordering line of offload.py and
-pools.py in turn (the line becomes `pass`, same indentation) in a temporary copy of the repository,
-and expect tests/test_cuda_emulated.py to fail every time. A mutant that survives is a wait no test
-needs: either a missing test or a redundant wait.
+Negative controls for the emulated CUDA tests: remove each stream-ordering statement of offload.py
+and pools.py in turn (it becomes `pass`, same indentation; the other lines of a statement broken
+over several become blank) in a temporary copy of the repository, and expect
+tests/test_cuda_emulated.py to fail every time. A mutant that survives is a wait no test needs:
+either a missing test or a redundant wait.
 
-    python tests/mutate_waits.py  # every ordering line; exit 1 if one survives
-    python tests/mutate_waits.py offload.py:258 pools.py:88  # only these lines
+    python tests/mutate_waits.py  # every ordering statement; exit 1 if one survives
+    python tests/mutate_waits.py offload.py:258 pools.py:88  # only the statements starting there
 
-An ordering line is a wait_event / wait_stream / synchronize / record / record_stream call, or any
-code line tagged "# rule N"; calls without the tag are mutated too, and reported as unmarked.
+An ordering statement is a wait_event / wait_stream / synchronize / record / record_stream call, or
+any statement tagged "# rule N" (on one of its lines, or in the comment lines right above it); calls
+without the tag are mutated too, and reported as unmarked.
 """
+import ast
 import os
 import re
 import shutil
@@ -26,22 +29,49 @@ SKIP = {".git", ".venv", ".ci-venv", "__pycache__", ".pytest_cache", "kv_cache_o
 TESTS = ["tests/test_cuda_emulated.py", "-x", "-q", "-p", "no:cacheprovider", "--tb=short"]
 
 
-def ordering_lines(source):
-    """(line number, text) of every stream-ordering line of a file's code (not its docstrings or
-    comments)."""
-    out = []
-    for n, line in enumerate(source.splitlines(), 1):
-        code = line.split("#", 1)[0]
-        if not code.strip() or code.strip().startswith(('"', "'")):
+def statements(source):
+    """{first line: last line} of every simple statement of a file (not compound statements, whose
+    bodies are walked, nor docstrings)."""
+    spans = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.stmt) or hasattr(node, "body"):
             continue
-        if ORDERING.search(code) or RULE.search(line):
-            out.append((n, line))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        spans[node.lineno] = max(node.end_lineno, spans.get(node.lineno, 0))
+    return spans
+
+
+def comment_above(lines, first):
+    """The comment lines right above line `first` (1-based), joined: a tag there is the
+    statement's."""
+    above = []
+    i = first - 2
+    while i >= 0 and lines[i].strip().startswith("#"):
+        above.insert(0, lines[i].strip())
+        i -= 1
+    return " ".join(above)
+
+
+def ordering_lines(source):
+    """(first line number, text) of every stream-ordering statement of a file's code, its text with
+    the comment above it and its lines joined."""
+    lines = source.splitlines()
+    out = []
+    for first, last in sorted(statements(source).items()):
+        own = lines[first - 1:last]
+        code = " ".join(line.split("#", 1)[0] for line in own)
+        tagged = " ".join([comment_above(lines, first)] + [line.strip() for line in own])
+        if ORDERING.search(code) or RULE.search(tagged):
+            out.append((first, tagged.strip()))
     return out
 
 
 def mutate(source, n):
-    """Line n becomes `pass`; `(e := expr).record(...)` becomes `e = expr` (the event stays, its
-    record goes)."""
+    """The statement starting on line n becomes `pass` (its other lines blank, so that every line
+    keeps its number); `(e := expr).record(...)` becomes `e = expr` (the event stays, its record
+    goes)."""
+    last = statements(source)[n]
     lines = source.splitlines(keepends=True)
     text = lines[n - 1]
     indent = text[:len(text) - len(text.lstrip())]
@@ -50,6 +80,7 @@ def mutate(source, n):
         lines[n - 1] = f"{indent}{walrus.group(1)} = {walrus.group(2)}\n"
     else:
         lines[n - 1] = f"{indent}pass\n"
+    lines[n:last] = ["\n"] * (last - n)
     return "".join(lines)
 
 
