@@ -129,10 +129,14 @@ def test_digest_cache_hashes_each_file_once(checkpoint, tmp_path, monkeypatch):
 
 
 def test_unwritable_digest_cache_is_no_error(checkpoint, tmp_path, monkeypatch):
+    """A cache that cannot be written or read costs a hash, never a wrong fingerprint."""
+    want = model_fingerprint(checkpoint())  # through the session's working cache
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
-    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
+    assert model_fingerprint(checkpoint()) == want
+    assert model_fingerprint(checkpoint()) == want
     (tmp_path / "cache" / "kvoffload").mkdir(parents=True)
     (tmp_path / "cache" / "kvoffload" / "digests.json").write_text("{not json")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
+    assert model_fingerprint(checkpoint()) == want
+    assert model_fingerprint(checkpoint()) == want
