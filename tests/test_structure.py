@@ -1,7 +1,7 @@
 """
 The house: imports flow one way (a layer imports only layers below it or beside it, never above,
-and no cycle), the core runs alone from the README's Python snippet, and every file keeps the
-README's line budget.
+and no cycle), the core runs alone from the README's Python snippet, and the core files stay within
+their line budget.
 """
 import ast
 import os
