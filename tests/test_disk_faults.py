@@ -1,9 +1,10 @@
 """
 Storage faults beyond a full file, injected where disk.py calls the OS (the zstd tier writes with
-os.pwrite): ENOSPC, EACCES and EROFS fail their task alone or fall back to host memory, EIO and EAGAIN
-are retried, a persistent EIO is raised with its cause, and where host memory cannot take the KV either
-the task goes on with a shorter context. And the host fallback's budget, which must not change where
-chunks go while the disk works. (A disk that fills up for real, RLIMIT_FSIZE, is in test_batch.py.)
+os.pwrite): ENOSPC, EACCES and EROFS fail their task alone or fall back to host memory, EIO and
+EAGAIN are retried, a persistent EIO is raised with its cause, and where host memory cannot take the
+KV either the task goes on with a shorter context. And the host fallback's budget, which must not
+change where chunks go while the disk works. (A disk that fills up for real, RLIMIT_FSIZE, is in
+test_batch.py.)
 """
 import errno
 import json
@@ -25,8 +26,8 @@ ZSTD = [*DISK, "--compress", "zstd"]
 
 
 class FaultyOS:
-    """disk.py's os module, except that pwrite fails with fail(n) (an errno, or 0 to write) on its n-th
-    call."""
+    """disk.py's os module, except that pwrite fails with fail(n) (an errno, or 0 to write) on its
+    n-th call."""
 
     def __init__(self, fail):
         self.fail = fail
@@ -71,8 +72,8 @@ def lm_small(text_ckpt):
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES, errno.EROFS])
-def test_disk_faults_fall_back_or_fail_that_task(text_ckpt, tmp_path, capsys, monkeypatch, plain_one,
-                                                 code):
+def test_disk_faults_fall_back_or_fail_that_task(text_ckpt, tmp_path, capsys, monkeypatch,
+                                                 plain_one, code):
     monkeypatch.setattr(disk, "os", FaultyOS(lambda n: code))
     tasks = write_tasks(tmp_path / "tasks.jsonl", ONE)
     argv = batch_args(text_ckpt, tasks, tmp_path / "failed.jsonl", tmp_path / "off", *ZSTD)
