@@ -7,12 +7,13 @@ import pytest
 import torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(TESTS), TESTS]  # model.py etc. at the repo root, helpers such as ckpt.py here
+# model.py etc. at the repo root, helpers such as ckpt.py here
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 
 from ckpt import build_checkpoint  # noqa: E402
 
-# Correctness tests, not benchmarks: one thread keeps small ops fast and immune to a busy second core
-# (torch's OpenMP threads can stall for milliseconds per op when another process holds a core).
+# Correctness tests, not benchmarks: one thread keeps small ops fast and immune to a busy second
+# core (torch's OpenMP threads can stall for milliseconds per op when another process holds a core).
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"  # and the same for the scripts the tests start
 
@@ -26,8 +27,9 @@ class TimeLimitExceeded(Exception):
 
 @pytest.fixture(autouse=True)
 def per_test_timeout(request):
-    """A hang fails its test instead of stalling the suite (pytest-timeout is not a dependency): SIGALRM raises in
-    the main thread; if that cannot get through (stuck in C), faulthandler dumps every thread's stack and exits."""
+    """A hang fails its test instead of stalling the suite (pytest-timeout is not a dependency):
+    SIGALRM raises in the main thread; if that cannot get through (stuck in C), faulthandler dumps
+    every thread's stack and exits."""
     def expire(signum, frame):
         raise TimeLimitExceeded(f"{request.node.nodeid} ran over {TEST_TIMEOUT_S} s")
     previous = signal.signal(signal.SIGALRM, expire)
@@ -43,8 +45,8 @@ def per_test_timeout(request):
 
 @pytest.fixture(scope="session", autouse=True)
 def digest_cache(tmp_path_factory):
-    """The weights' digest cache (taskdir.DigestCache) goes to a directory of the session's, never ~/.cache; the
-    scripts the tests start inherit it."""
+    """The weights' digest cache (taskdir.DigestCache) goes to a directory of the session's, never
+    ~/.cache; the scripts the tests start inherit it."""
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
     yield os.environ["XDG_CACHE_HOME"]
@@ -56,8 +58,8 @@ def digest_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    """checkpoint(**build_checkpoint kwargs) -> path, built once per session and shared: never modify it
-    (copy it with shutil.copytree first)."""
+    """checkpoint(**build_checkpoint kwargs) -> path, built once per session and shared: never
+    modify it (copy it with shutil.copytree first)."""
     built = {}
 
     def get(**kwargs):
@@ -78,5 +80,6 @@ def llama_ckpt(checkpoint):
 def text_ckpt(tmp_path_factory):
     """A tiny Llama with a sentencepiece tokenizer, for the command-line tools: read only."""
     from ckpt import add_sentencepiece
-    path = build_checkpoint(tmp_path_factory.mktemp("text_ckpt"), vocab_size=400, max_position_embeddings=2048)
+    path = build_checkpoint(tmp_path_factory.mktemp("text_ckpt"), vocab_size=400,
+                            max_position_embeddings=2048)
     return str(add_sentencepiece(path))

@@ -1,22 +1,28 @@
 """
-An emulated torch.cuda, on CPU tensors, so the store's CUDA path (copy stream, events, pinned pools, staging slots,
-bounce buffers) runs in CI and a missing wait fails a test.
+An emulated torch.cuda, on CPU tensors, so the store's CUDA path (copy stream, events, pinned pools,
+staging slots, bounce buffers) runs in CI and a missing wait fails a test.
 
-    with cuda_emu.emulate() as emu:       # torch.cuda.* and offload.on_cuda patched; store verbs hooked
-        run_task(model_on_cpu, ...)       # the store believes it runs on CUDA; its tensors are CPU tensors
-    assert emu.problems() == []           # races, waits on nothing, copies left queued at close, pageable copies
+    # torch.cuda.* and offload.on_cuda patched; store verbs hooked
+    with cuda_emu.emulate() as emu:
+        # the store believes it runs on CUDA; its tensors are CPU tensors
+        run_task(model_on_cpu, ...)
+    # races, waits on nothing, copies left queued at close, pageable copies
+    assert emu.problems() == []
 
 What runs when:
-  * A copy_ issued while a side stream is current is DEFERRED: queued on that stream and executed only when
-    something orders it: event.synchronize / stream.synchronize / torch.cuda.synchronize (host waits), or a compute
-    access after the compute stream's wait_event. That is as late as CUDA allows, so a read that skips its wait
-    sees stale bytes (and the logits differ), and a buffer refilled too early is refilled under the pending copy.
-  * Work on a thread's compute stream runs at once, in the host's program order (a simplification: on a GPU it
-    runs later; the race detector still treats the compute stream as an actor of its own, behind the host).
-Happens-before is tracked by race.py's vector clocks. The compute stream's accesses cannot be seen op by op, so
-the store's verbs are hooked (see hook_store): open_chunk is a compute write of the open chunk, load a compute
-read of the chunk it returns; DiskTier.read_into / write are host accesses of the worker thread; the executor's
-submit/result and the store's queues (the write bounces' hand-back) carry clocks between threads.
+  * A copy_ issued while a side stream is current is DEFERRED: queued on that stream and executed
+    only when something orders it: event.synchronize / stream.synchronize / torch.cuda.synchronize
+    (host waits), or a compute access after the compute stream's wait_event. That is as late as CUDA
+    allows, so a read that skips its wait sees stale bytes (and the logits differ), and a buffer
+    refilled too early is refilled under the pending copy.
+  * Work on a thread's compute stream runs at once, in the host's program order (a simplification:
+    on a GPU it runs later; the race detector still treats the compute stream as an actor of its
+    own, behind the host).
+Happens-before is tracked by race.py's vector clocks. The compute stream's accesses cannot be seen
+op by op, so the store's verbs are hooked (see emu_store.py): open_chunk is a compute write of the
+open chunk, load a compute read of the chunk it returns; DiskTier.read_into / write are host
+accesses of the worker thread; the executor's submit/result and the store's queues (the write
+bounces' hand-back) carry clocks between threads.
 """
 import queue
 import sys
@@ -29,29 +35,39 @@ import torch
 
 from race import Actor, Detector
 
-_copy, _empty, _pin = torch.Tensor.copy_, torch.empty, torch.Tensor.pin_memory
+# the real functions, which the emulation patches over
+_copy = torch.Tensor.copy_
+_empty = torch.empty
 EMU = None  # the emulator installed by emulate(), or None
 
 
 def span(t):
-    """The bytes [start, end) a tensor's elements cover (its strides' extent, for non-contiguous views)."""
-    n = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
+    """The bytes [start, end) a tensor's elements cover (its strides' extent, for non-contiguous
+    views)."""
+    n = 0
+    if t.numel():
+        n = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + n * t.element_size()
 
 
 def caller():
     """The first frame outside the emulator: offload.py:196 _stage, say."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.endswith(("cuda_emu.py", "race.py", "emu_store.py")):
+    emulator_files = ("cuda_emu.py", "race.py", "emu_store.py")
+    while f is not None and f.f_code.co_filename.endswith(emulator_files):
         f = f.f_back
-    return f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}" if f else "?"
+    if f is None:
+        return "?"
+    file_name = f.f_code.co_filename.rsplit("/", 1)[-1]
+    return f"{file_name}:{f.f_lineno} {f.f_code.co_name}"
 
 
 class Stream:
     """A stream: a FIFO of operations (copies, waits) that run when something orders them."""
 
     def __init__(self, device=None, priority=0, name=None, compute=False):
-        self.actor = Actor(name or f"copy stream #{len(EMU.streams)}", "compute" if compute else "copy")
+        kind = "compute" if compute else "copy"
+        self.actor = Actor(name or f"copy stream #{len(EMU.streams)}", kind)
         self.compute = compute
         self.ops = deque()   # side stream: (seq, op) not run yet
         self.issued = 0      # operations issued so far; an event records this position
@@ -84,7 +100,10 @@ class Event:
     """An event: the position of a stream's queue and the stream's clock when it was recorded."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.stream, self.pos, self.vc, self.where = None, 0, None, caller()
+        self.stream = None    # the stream it was last recorded on
+        self.pos = 0          # that stream's position then
+        self.vc = None        # and its clock
+        self.where = caller()
 
     def record(self, stream=None):
         EMU.record(self, stream)
@@ -96,7 +115,8 @@ class Event:
         EMU.sync_event(self)
 
     def query(self):
-        """True once the recorded work has run (never forces it: a spin would hang); True orders the host after it."""
+        """True once the recorded work has run (never forces it: a spin would hang); True orders the
+        host after it."""
         if self.stream is None:
             return True
         if self.stream.done < self.pos:
@@ -112,14 +132,18 @@ class Emulator:
         self.lock = threading.RLock()
         self.det = Detector()
         self.local = threading.local()
-        self.streams, self.pinned, self.findings = [], {}, []
+        self.streams = []
+        self.pinned = {}      # start -> end of each pinned byte range
+        self.findings = []
         self.unrecorded = {}  # event -> where it was first waited on while not yet recorded
-        self.strict = False   # True: even a first wait before the first record is a problem, not only a dead wait
+        # True: even a first wait before the first record is a problem, not only a dead wait
+        self.strict = False
         self.stats = {"deferred": 0, "forced": 0, "max_queue": 0, "waits_on_unrecorded": 0}
         self.n_threads = 0
-        self.device_bytes = self.peak_bytes = 0
+        self.device_bytes = 0
+        self.peak_bytes = 0
 
-    # ---- the calling thread --------------------------------------------------------------------------------
+    # ---- the calling thread ----------------------------------------------------------------------
 
     def host(self):
         if not hasattr(self.local, "actor"):
@@ -127,7 +151,8 @@ class Emulator:
                 self.n_threads += 1
                 name = threading.current_thread().name
                 self.local.actor = Actor(f"host thread {name}#{self.n_threads}", "host")
-                self.local.compute = Stream(name=f"compute stream of {name}#{self.n_threads}", compute=True)
+                self.local.compute = Stream(name=f"compute stream of {name}#{self.n_threads}",
+                                            compute=True)
                 self.local.current = self.local.compute
         return self.local.actor
 
@@ -139,7 +164,7 @@ class Emulator:
         self.host()
         return self.local.compute
 
-    # ---- stream operations ----------------------------------------------------------------------------------
+    # ---- stream operations ----------------------------------------------------------------------
 
     def issue(self, s):
         """The host hands an operation to stream s: s runs it after the host's earlier work."""
@@ -154,7 +179,8 @@ class Emulator:
             self.run_until(other, pos)
 
     def run_until(self, s, pos):
-        """Run stream s's queued operations up to position pos (recursively through the waits they carry)."""
+        """Run stream s's queued operations up to position pos (recursively through the waits they
+        carry)."""
         while s.done < pos and s.ops:
             _, op = s.ops.popleft()
             if op[0] == "copy":
@@ -169,14 +195,17 @@ class Emulator:
         with self.lock:
             s = stream or self.current()
             self.issue(s)
-            event.stream, event.pos, event.vc = s, s.issued, self.det.send(s.actor)
+            event.stream = s
+            event.pos = s.issued
+            event.vc = self.det.send(s.actor)
             if not self.strict:
                 self.unrecorded.pop(event, None)
 
     def wait_event(self, s, event):
         with self.lock:
             self.issue(s)
-            if event.stream is None:  # CUDA returns at once: a no-op, fine for a first use, a bug if it stays one
+            # CUDA returns at once: a no-op, fine for a first use, a bug if it stays one
+            if event.stream is None:
                 self.unrecorded.setdefault(event, f"{s.actor.name} waits at {caller()}")
                 self.stats["waits_on_unrecorded"] += 1
                 return
@@ -192,7 +221,8 @@ class Emulator:
     def sync_event(self, event):
         with self.lock:
             if event.stream is None:
-                self.unrecorded.setdefault(event, f"{self.host().name} synchronizes at {caller()}")
+                where = f"{self.host().name} synchronizes at {caller()}"
+                self.unrecorded.setdefault(event, where)
                 self.stats["waits_on_unrecorded"] += 1
                 return
             self.run_until(event.stream, event.pos)
@@ -200,7 +230,10 @@ class Emulator:
 
     def sync_stream(self, s):
         with self.lock:
-            self.run_waits(s) if s.compute else self.run_until(s, s.issued)
+            if s.compute:
+                self.run_waits(s)
+            else:
+                self.run_until(s, s.issued)
             self.det.join(self.host(), self.det.send(s.actor))
 
     def synchronize(self, device=None):
@@ -218,8 +251,9 @@ class Emulator:
             if s.compute:
                 return _copy(dst, src, non_blocking)
             if not (self.is_pinned(src) or self.is_pinned(dst)):
-                self.findings.append(f"{where}: an asynchronous copy on {s.actor.name} with no pinned side; on "
-                                     f"CUDA a pageable host buffer makes it synchronous")
+                self.findings.append(f"{where}: an asynchronous copy on {s.actor.name} with no "
+                                     f"pinned side; on CUDA a pageable host buffer makes it "
+                                     f"synchronous")
             s.issued += 1
             s.ops.append((s.issued, ("copy", dst, src)))
             self.stats["deferred"] += 1
@@ -229,7 +263,7 @@ class Emulator:
                 self.det.join(self.host(), self.det.send(s.actor))
             return dst
 
-    # ---- accesses the store's hooks report --------------------------------------------------------------------
+    # ---- accesses the store's hooks report -------------------------------------------------------
 
     def compute_access(self, t, write, where):
         with self.lock:
@@ -249,7 +283,7 @@ class Emulator:
         with self.lock:
             self.det.join(self.host(), snap)
 
-    # ---- memory ----------------------------------------------------------------------------------------------
+    # ---- memory ---------------------------------------------------------------------------------
 
     def pin(self, t):
         start, end = span(t)
@@ -269,7 +303,8 @@ class Emulator:
                 self.peak_bytes = max(self.peak_bytes, self.device_bytes)
 
     def rename(self, t, name, kind):
-        """A registered buffer's role, once the store has said what it is (a host pool slot is no device memory)."""
+        """A registered buffer's role, once the store has said what it is (a host pool slot is no
+        device memory)."""
         with self.lock:
             b = self.det.buffer_at(span(t)[0])
             if b is not None and b.kind == "device" and kind != "device":
@@ -277,19 +312,29 @@ class Emulator:
             self.det.rename(span(t)[0], name, kind)
 
     def problems(self):
-        """Everything that would be a bug on a GPU: races, waits on events never recorded, and the findings."""
-        never = [f"waits on an event {'never recorded' if e.stream is None else 'before its first record'} "
-                 f"(created at {e.where}): {w}; the wait orders nothing"
-                 for e, w in self.unrecorded.items() if e.stream is None or self.strict]
+        """Everything that would be a bug on a GPU: races, waits on events never recorded, and the
+        findings."""
+        never = []
+        for e, w in self.unrecorded.items():
+            if e.stream is None:
+                when = "never recorded"
+            elif self.strict:
+                when = "before its first record"
+            else:
+                continue
+            never.append(f"waits on an event {when} (created at {e.where}): {w}; "
+                         f"the wait orders nothing")
         return never + list(self.det.races) + list(self.findings)
 
 
 class ClockedExecutor(ThreadPoolExecutor):
-    """A ThreadPoolExecutor whose futures carry happens-before: caller -> task at submit, task -> caller at
-    result() / exception()."""
+    """A ThreadPoolExecutor whose futures carry happens-before: caller -> task at submit, task ->
+    caller at result() / exception()."""
 
     def submit(self, fn, *args, **kwargs):
-        emu, snap, box = EMU, EMU.send(), {}
+        emu = EMU
+        snap = emu.send()
+        box = {}  # "vc": the task's clock when it ended
 
         def task():
             emu.join(snap)
@@ -310,7 +355,8 @@ class ClockedExecutor(ThreadPoolExecutor):
 
 
 class ClockedQueue(queue.Queue):
-    """A queue.Queue that hands buffers between threads: a get is ordered after the put of the item it returns."""
+    """A queue.Queue that hands buffers between threads: a get is ordered after the put of the item
+    it returns."""
 
     def __init__(self, maxsize=0):
         super().__init__(maxsize)
@@ -359,34 +405,47 @@ def _empty_pinned(*size, pin_memory=False, **kwargs):
 
 
 def _copy_(self, src, non_blocking=False):
-    return _copy(self, src, non_blocking) if EMU is None else EMU.copy(self, src, non_blocking)
+    if EMU is None:
+        return _copy(self, src, non_blocking)
+    return EMU.copy(self, src, non_blocking)
 
 
 def _pin_memory(self, device=None):
     return EMU.pin(self.clone())
 
 
+def _reset_peak_memory_stats(device=None):
+    EMU.peak_bytes = EMU.device_bytes
+
+
 @contextmanager
 def emulate(strict_waits=False):
-    """Install the emulated CUDA and the store hooks; restore everything on exit. A wait on an event not yet recorded
-    is allowed if it is recorded later (a no-op, as on CUDA); strict_waits (the store's tests) reports every one."""
+    """Install the emulated CUDA and the store hooks; restore everything on exit. A wait on an event
+    not yet recorded is allowed if it is recorded later (a no-op, as on CUDA); strict_waits (the
+    store's tests) reports every one."""
     global EMU
     import emu_store
     cuda = torch.cuda
     patches = [
-        (cuda, "is_available", lambda: True), (cuda, "device_count", lambda: 1),
-        (cuda, "Stream", Stream), (cuda, "Event", Event), (cuda, "stream", _stream_ctx),
+        (cuda, "is_available", lambda: True),
+        (cuda, "device_count", lambda: 1),
+        (cuda, "Stream", Stream),
+        (cuda, "Event", Event),
+        (cuda, "stream", _stream_ctx),
         (cuda, "current_stream", lambda device=None: EMU.current()),
         (cuda, "default_stream", lambda device=None: EMU.compute()),
         (cuda, "synchronize", lambda device=None: EMU.synchronize(device)),
         (cuda, "memory_allocated", lambda device=None: EMU.device_bytes),
         (cuda, "max_memory_allocated", lambda device=None: EMU.peak_bytes),
-        (cuda, "reset_peak_memory_stats", lambda device=None: setattr(EMU, "peak_bytes", EMU.device_bytes)),
+        (cuda, "reset_peak_memory_stats", _reset_peak_memory_stats),
         (cuda, "cudart", lambda: _CudaRT()),
-        (torch, "empty", _empty_pinned), (torch.Tensor, "copy_", _copy_), (torch.Tensor, "pin_memory", _pin_memory),
+        (torch, "empty", _empty_pinned),
+        (torch.Tensor, "copy_", _copy_),
+        (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", lambda self, device=None: EMU.is_pinned(self)),
     ] + emu_store.patches()
-    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]  # None: inherited, delete on exit
+    # what each patch replaces; None: inherited, deleted on exit
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]
     EMU = Emulator()
     EMU.strict = strict_waits
     for obj, name, new in patches:
@@ -395,5 +454,8 @@ def emulate(strict_waits=False):
         yield EMU
     finally:
         for obj, name, old in reversed(saved):
-            setattr(obj, name, old) if old is not None else delattr(obj, name)
+            if old is not None:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
         EMU = None

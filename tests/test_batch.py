@@ -1,10 +1,12 @@
 """
-Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with byte-identical results, a disk
-that fills up for real (RLIMIT_FSIZE), corrupt chunks and foreign manifests, hostile ids, two users of one task
-directory, owner-only files, the monitor's alerts and trace, and bad input lines.
+Batch tasks that survive failure (issue 4): SIGKILL mid-decode then a rerun with byte-identical
+results, concurrent tasks equal to serial ones, a torn results file, a disk that fills up for real
+(RLIMIT_FSIZE), resume, corrupt chunks and foreign manifests, hostile ids, two users of one task
+directory, owner-only files, the monitor's alerts, the trace and the statistics, and bad input
+lines. (Other storage faults are in test_disk_faults.py.)
 
-generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere cli.main()
-runs in-process, which is the same code minus ~3 s of importing torch.
+generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere
+cli.main() runs in-process, which is the same code minus ~3 s of importing torch.
 """
 import errno
 import json
@@ -29,16 +31,18 @@ from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOPICS = pydoc_data.topics.topics  # English text every Python carries; the test tokenizer was trained on it
-C = 16                              # chunk size of every run here
+# English text every Python carries; the test tokenizer was trained on it
+TOPICS = pydoc_data.topics.topics
+C = 16  # chunk size of every run here
 DISK = ["--offload", "disk", "--chunk-size", str(C), "--window", "1"]
 SHORT = {"id": "short", "prompt": TOPICS["pass"][:150], "max_new_tokens": 4}  # ~40 tokens: 3 chunks
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    # a tiny model gains nothing from more threads, and on a shared machine OpenMP's barriers make 2 threads ~50x
-    # slower than 1; children get OMP_NUM_THREADS=1 for the same reason (and so compute exactly what we compute)
+    # a tiny model gains nothing from more threads, and on a shared machine OpenMP's barriers make
+    # 2 threads ~50x slower than 1; children get OMP_NUM_THREADS=1 for the same reason (and so
+    # compute exactly what we compute)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -57,15 +61,16 @@ def write_tasks(path, tasks):
 
 
 def batch_args(ckpt, tasks, output, offload_dir, *flags):
-    return ["--ckpt", ckpt, "--prompts", tasks, "--output", output, "--offload-dir", offload_dir, *flags]
+    return ["--ckpt", ckpt, "--prompts", tasks, "--output", output, "--offload-dir", offload_dir,
+            *flags]
 
 
 def child(argv, **kwargs):
-    """generate.py in a child process (not waited for). No .pyc writes: under RLIMIT_FSIZE one could raise SIGXFSZ
-    before generate.py gets to ignore it."""
+    """generate.py in a child process (not waited for). No .pyc writes: under RLIMIT_FSIZE one could
+    raise SIGXFSZ before generate.py gets to ignore it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), *map(str, argv)], env=env, text=True,
-                            **kwargs)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), *map(str, argv)],
+                            env=env, text=True, **kwargs)
 
 
 def run_child(argv, **kwargs):
@@ -93,34 +98,40 @@ def by_id(path):
 
 
 def before_stats(line):
-    """The raw text of a result line before its "config" and "stats" objects (the run's settings; timings,
-    resumed_from): the part a rerun must reproduce byte for byte, whatever tier it used. The writer keeps keys in a
-    fixed order with config and stats last."""
-    assert json.loads(line).keys() >= {"id", "config", "stats"} and list(json.loads(line))[-2:] == ["config", "stats"]
+    """The raw text of a result line before its "config" and "stats" objects (the run's settings;
+    timings, resumed_from): the part a rerun must reproduce byte for byte, whatever tier it used.
+    The writer keeps keys in a fixed order with config and stats last."""
+    keys = list(json.loads(line))
+    assert set(keys) >= {"id", "config", "stats"} and keys[-2:] == ["config", "stats"]
     return line[:line.rindex(', "config": ')]
 
 
 def slot_bytes(model):
-    a = model.args
-    return round_up(2 * a.n_kv_heads * C * a.head_dim * 4, ALIGN)  # one chunk [2, B=1, G, C, D] in fp32
+    """The bytes of one chunk [2, B=1, G, C, D] in fp32, as the raw disk tier aligns it."""
+    model_args = model.args
+    return round_up(2 * model_args.n_kv_heads * C * model_args.head_dim * 4, ALIGN)
 
 
 # -----------------------------------------------------------------------------
 # SIGKILL in the middle of a long task, then the same command again
 
-LONG = {"id": "long", "prompt": TOPICS["await"], "max_new_tokens": 200}  # ~140 prompt tokens, no early EOS
+# ~140 prompt tokens, no early EOS
+LONG = {"id": "long", "prompt": TOPICS["await"], "max_new_tokens": 200}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(text_ckpt, tmp_path_factory):
-    """The kill test's batch (a short task, then a long one) run once without interruption: (tasks, lines by id)."""
+    """The kill test's batch (a short task, then a long one) run once without interruption: (tasks,
+    lines by id)."""
     d = tmp_path_factory.mktemp("uninterrupted")
     tasks = write_tasks(d / "tasks.jsonl", [SHORT, LONG])
-    rc = cli.main(batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK))
+    argv = batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK)
+    rc = cli.main(argv)
     assert rc == 0
     lines = {r["id"]: line for line, r in results(d / "results.jsonl")}
     assert list(lines) == ["short", "long"]
-    assert len(json.loads(lines["long"])["tokens"]) == LONG["max_new_tokens"]  # no EOS: decode runs to the end
+    # no EOS: decode runs to the end
+    assert len(json.loads(lines["long"])["tokens"]) == LONG["max_new_tokens"]
     return tasks, lines
 
 
@@ -132,14 +143,21 @@ def read_manifest(path):
         return None
 
 
+def without_stats(result):
+    return {k: v for k, v in result.items() if k not in ("stats", "config")}
+
+
 @pytest.mark.parametrize("compress", ["none", "zstd"])
-def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_path, capsys, uninterrupted, compress):
-    """Kill -9 while the long task decodes; the same command again skips the finished short task, resumes the long
-    one from its disk tier, and writes the lines an uninterrupted run writes (stats aside). The reference ran with
-    raw chunks; the zstd variant must match it too, as every tier is bit-identical. (The rerun runs in-process.)"""
+def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_path, capsys,
+                                                               uninterrupted, compress):
+    """Kill -9 while the long task decodes; the same command again skips the finished short task,
+    resumes the long one from its disk tier, and writes the lines an uninterrupted run writes (stats
+    aside). The reference ran with raw chunks; the zstd variant must match it too, as every tier is
+    bit-identical. (The rerun runs in-process.)"""
     tasks, reference = uninterrupted
     P = json.loads(reference["long"])["prompt_tokens"]
-    output, offload_dir = tmp_path / "results.jsonl", tmp_path / "off"
+    output = tmp_path / "results.jsonl"
+    offload_dir = tmp_path / "off"
     argv = batch_args(text_ckpt, tasks, output, offload_dir, *DISK, "--compress", compress)
 
     manifest_path = offload_dir / safe_task_name("long") / "manifest.json"
@@ -151,7 +169,8 @@ def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_pa
             m = read_manifest(manifest_path)
             if m and len(m["tokens"]) >= P + 10 and len(m["chunks"]) >= 2:
                 break
-            assert p.poll() is None, f"generate.py ended (rc {p.returncode}) before the kill: {err.name}"
+            assert p.poll() is None, (f"generate.py ended (rc {p.returncode}) before the kill: "
+                                      f"{err.name}")
             assert time.monotonic() < deadline, "the long task never reached its decode phase"
             time.sleep(0.005)
         os.kill(p.pid, signal.SIGKILL)
@@ -161,7 +180,8 @@ def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_pa
         p.wait(timeout=60)
     assert p.returncode == -signal.SIGKILL
     killed = results(output)
-    assert [r["id"] for _, r in killed] == ["short"], "the kill must land while the long task decodes"
+    assert [r["id"] for _, r in killed] == ["short"], (
+        "the kill must land while the long task decodes")
     m = read_manifest(manifest_path)
     assert len(m["tokens"]) < P + LONG["max_new_tokens"]
 
@@ -169,15 +189,66 @@ def test_sigkill_mid_decode_then_rerun_gives_identical_results(text_ckpt, tmp_pa
     assert rc == 0, err
     assert "1 of 2 tasks already in" in err and "1 resumed" in err, err
     lines = results(output)
-    assert [r["id"] for _, r in lines] == ["short", "long"], "the finished task ran again or the long one is missing"
-    assert lines[0][0] == killed[0][0]  # the short task's line is the one written before the kill, untouched
+    assert [r["id"] for _, r in lines] == ["short", "long"], (
+        "the finished task ran again or the long one is missing")
+    # the short task's line is the one written before the kill, untouched
+    assert lines[0][0] == killed[0][0]
     for line, r in lines:
         ref = reference[r["id"]]
-        assert before_stats(line) == before_stats(ref), f"task {r['id']}: the result differs from the reference"
-        assert ({k: v for k, v in r.items() if k not in ("stats", "config")} ==
-                {k: v for k, v in json.loads(ref).items() if k not in ("stats", "config")})
+        assert before_stats(line) == before_stats(ref), (
+            f"task {r['id']}: the result differs from the reference")
+        assert without_stats(r) == without_stats(json.loads(ref))
     resumed = lines[1][1]["stats"]["resumed_from"]
-    assert resumed > 0 and resumed % C == 0, f"the long task did not resume from its disk tier: {resumed}"
+    assert resumed > 0 and resumed % C == 0, (
+        f"the long task did not resume from its disk tier: {resumed}")
+
+
+# -----------------------------------------------------------------------------
+# several tasks at once, and a results file torn by a crash
+
+# 1 to 4 chunks of prompt, sampled
+TASKS = [{"id": f"t{i}", "prompt": TOPICS[topic][:60 + 45 * i], "max_new_tokens": 12,
+          "temperature": 0.8, "seed": i}
+         for i, topic in enumerate(("pass", "break", "continue", "del"))]
+
+
+@pytest.fixture(scope="module")
+def serial(text_ckpt, tmp_path_factory):
+    """TASKS run one at a time on the disk tier: {id: result}."""
+    d = tmp_path_factory.mktemp("serial")
+    tasks = write_tasks(d / "tasks.jsonl", TASKS)
+    argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", *DISK, "--top-p", "0.9")
+    assert cli.main([str(a) for a in argv]) == 0
+    return by_id(d / "results.jsonl")
+
+
+@pytest.mark.parametrize("concurrency", [2, 3])
+def test_concurrent_tasks_equal_their_serial_results(text_ckpt, tmp_path, capsys, serial,
+                                                     concurrency):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS)
+    argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", tmp_path / "off", *DISK,
+                      "--top-p", "0.9", "--concurrency", concurrency)
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    got = by_id(tmp_path / "results.jsonl")
+    assert sorted(got) == sorted(serial)
+    for i, r in got.items():
+        assert r["tokens"] == serial[i]["tokens"], f"task {i} differs at concurrency {concurrency}"
+        assert r["stats"]["chunks"]["disk"] > 0 or r["prompt_tokens"] + 12 <= 2 * C, r["stats"]
+
+
+def test_torn_last_line_is_repaired(text_ckpt, tmp_path, capsys, serial):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS[:2])
+    output = tmp_path / "results.jsonl"
+    whole = json.dumps(serial["t0"]) + "\n"
+    output.write_text(whole + '{"id": "t1", "prompt_ids": [1, 2')  # a writer died mid-line
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK, "--top-p", "0.9")
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert "removed a partial last line" in err and "1 of 2 tasks already in" in err, err
+    lines = results(output)  # every line whole and parseable
+    assert lines[0][0] + "\n" == whole and [r["id"] for _, r in lines] == ["t0", "t1"]
+    assert lines[1][1]["tokens"] == serial["t1"]["tokens"]
 
 
 # -----------------------------------------------------------------------------
@@ -193,15 +264,20 @@ def limited():
 
 @pytest.fixture
 def full_disk(lm, tmp_path, text_ckpt):
-    """(argv, output, offload dir, long prompt ids) of a batch [short, long] on the disk tier, where under LIMIT the
-    short task's disk tier fits and the long task's does not."""
+    """(argv, output, offload dir, long prompt ids) of a batch [short, long] on the disk tier, where
+    under LIMIT the short task's disk tier fits and the long task's does not."""
     model, tok = lm
-    per_file = {t["id"]: -(-(len(tok.encode(t["prompt"])) + t["max_new_tokens"]) // C) * slot_bytes(model)
-                for t in (SHORT, FULL_LONG)}  # the raw tier reserves n_chunks * slot_bytes per layer file
-    assert per_file["short"] < LIMIT < per_file["long"] // 2, per_file  # // 2: zstd's blobs overflow it too
+    per_file = {}  # the raw tier reserves n_chunks * slot_bytes per layer file
+    for t in (SHORT, FULL_LONG):
+        n_chunks = -(-(len(tok.encode(t["prompt"])) + t["max_new_tokens"]) // C)
+        per_file[t["id"]] = n_chunks * slot_bytes(model)
+    # // 2: zstd's blobs overflow it too
+    assert per_file["short"] < LIMIT < per_file["long"] // 2, per_file
     tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT, FULL_LONG])
-    output, offload_dir = tmp_path / "results.jsonl", tmp_path / "off"
-    return batch_args(text_ckpt, tasks, output, offload_dir, *DISK), output, offload_dir, tok.encode(FULL_LONG["prompt"])
+    output = tmp_path / "results.jsonl"
+    offload_dir = tmp_path / "off"
+    argv = batch_args(text_ckpt, tasks, output, offload_dir, *DISK)
+    return argv, output, offload_dir, tok.encode(FULL_LONG["prompt"])
 
 
 def test_disk_full_falls_back_to_host_memory(full_disk, capsys):
@@ -210,12 +286,14 @@ def test_disk_full_falls_back_to_host_memory(full_disk, capsys):
     assert rc == 0, err
     assert "task long: the disk tier failed" in err and "falling back to host memory" in err, err
     got = by_id(output)
-    assert got["long"]["stats"]["chunks"]["host"] > 0 and got["long"]["stats"]["chunks"]["disk"] == 0
+    chunks = got["long"]["stats"]["chunks"]
+    assert chunks["host"] > 0 and chunks["disk"] == 0
     plain = output.with_name("plain.jsonl")
     rc, _ = run_main(argv[:4] + ["--output", plain, "--offload", "none", "--chunk-size", C], capsys)
     assert rc == 0
     assert got["long"]["tokens"] == by_id(plain)["long"]["tokens"]
-    assert not (offload_dir / safe_task_name("long")).exists()  # the useless disk tier is cleaned away
+    # the useless disk tier is cleaned away
+    assert not (offload_dir / safe_task_name("long")).exists()
 
 
 def test_disk_full_without_fallback_fails_that_task_alone(full_disk):
@@ -223,30 +301,35 @@ def test_disk_full_without_fallback_fails_that_task_alone(full_disk):
     rc, err = run_child(argv, preexec_fn=limited)
     assert rc == 1, err  # a failed task, not a crash (2 would be bad usage, a signal negative)
     assert "Traceback" not in err, err
-    failed = [l for l in err.splitlines() if l.startswith("task long: FAILED")]
+    failed = [line for line in err.splitlines() if line.startswith("task long: FAILED")]
     assert len(failed) == 1, err
-    assert str(offload_dir / safe_task_name("long")) in failed[0] and os.strerror(errno.EFBIG) in failed[0], failed
-    assert [r["id"] for _, r in results(output)] == ["short"]  # whole, parseable lines only, and the other task
+    assert str(offload_dir / safe_task_name("long")) in failed[0], failed
+    assert os.strerror(errno.EFBIG) in failed[0], failed
+    # whole, parseable lines only, and the other task
+    assert [r["id"] for _, r in results(output)] == ["short"]
 
 
 def test_disk_full_falls_back_to_shorter_context(full_disk, lm):
-    """With zstd, the file fills while chunks are written (a short pwrite, then EFBIG), mid-prefill, rather than
-    when the raw tier reserves it (the two tests above); the fallback runs on the device, uncompressed."""
+    """With zstd, the file fills while chunks are written (a short pwrite, then EFBIG), mid-prefill,
+    rather than when the raw tier reserves it (the two tests above); the fallback runs on the
+    device, uncompressed."""
     argv, output, _, long_ids = full_disk
     N = 64
     rc, err = run_child(argv + ["--compress", "zstd", "--fallback-context", N], preexec_fn=limited)
     assert rc == 0, err
     assert f"continuing on the last {N} tokens" in err, err
     r = by_id(output)["long"]
-    assert r["fallback"] == {"context": N} and r["prompt_tokens"] == N and r["prompt_ids"] == long_ids[-N:]
+    assert r["fallback"] == {"context": N} and r["prompt_tokens"] == N
+    assert r["prompt_ids"] == long_ids[-N:]
     model, tok = lm
-    new, _ = run_task(model, long_ids[-N:], FULL_LONG["max_new_tokens"], chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)
+    new, _ = run_task(model, long_ids[-N:], FULL_LONG["max_new_tokens"], chunk_size=C,
+                      cfg=OffloadConfig(), eos_ids=tok.eos_ids)
     assert r["tokens"] == new
 
 
 def test_zstd_disk_tier_with_a_host_pool(lm, tmp_path):
-    """--offload disk --compress zstd --cpu-budget: the first evicted chunks go to the host pool, the rest are
-    compressed to disk; both kinds are staged for attention."""
+    """--offload disk --compress zstd --cpu-budget: the first evicted chunks go to the host pool,
+    the rest are compressed to disk; both kinds are staged for attention."""
     model, tok = lm
     ids = tok.encode(TOPICS["await"])[:100]
     ref, _ = run_task(model, ids, 8, chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)
@@ -267,15 +350,21 @@ NEW = 40
 def ids_and_reference(lm):
     model, tok = lm
     ids = tok.encode(TOPICS["await"])[:100]
-    return ids, run_task(model, ids, NEW, chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)[0]
+    ref, _ = run_task(model, ids, NEW, chunk_size=C, cfg=OffloadConfig(), eos_ids=tok.eos_ids)
+    return ids, ref
 
 
-def run_kept(lm, ids, offload_dir, compress="none", chunk=C, fingerprint="model-a", on_token=None):
-    """run_task on the disk tier, keeping its directory and manifest after success: (new ids, stats, log)."""
+def run_kept(lm, ids, offload_dir, compress="none", chunk=C, fingerprint="model-a",
+             on_token=None):
+    """run_task on the disk tier, keeping its directory and manifest after success: (new ids,
+    stats, log)."""
+    model, tok = lm
     log = []
-    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(offload_dir), compress=compress, keep_files=True)
-    new, stats = run_task(lm[0], ids, NEW, chunk_size=chunk, cfg=cfg, eos_ids=lm[1].eos_ids, task_id="t", on_token=on_token,
-                          fingerprint=fingerprint, log=log.append)
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(offload_dir), compress=compress,
+                        keep_files=True)
+    new, stats = run_task(model, ids, NEW, chunk_size=chunk, cfg=cfg, eos_ids=tok.eos_ids,
+                          task_id="t", on_token=on_token, fingerprint=fingerprint,
+                          log=log.append)
     return new, stats, log
 
 
@@ -289,14 +378,17 @@ def test_rerun_resumes_from_the_disk_tier(lm, ids_and_reference, tmp_path, compr
     assert stats["resumed_from"] >= 2 * C, stats["resumed_from"]
 
 
-@pytest.mark.parametrize("compress", ["none", "zstd"])
-def test_crashed_run_resumes_and_its_rerun_keeps_checkpointing(lm, ids_and_reference, tmp_path, compress):
-    """A task that dies mid-decode (here: an exception from on_token) keeps its directory; the rerun resumes and,
-    as it goes, writes manifests that vouch for the restored chunks as well as its own."""
-    ids, ref = ids_and_reference
+class Crash(Exception):
+    pass
 
-    class Crash(Exception):
-        pass
+
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_crashed_run_resumes_and_its_rerun_keeps_checkpointing(lm, ids_and_reference, tmp_path,
+                                                               compress):
+    """A task that dies mid-decode (here: an exception from on_token) keeps its directory; the rerun
+    resumes and, as it goes, writes manifests that vouch for the restored chunks as well as its
+    own."""
+    ids, ref = ids_and_reference
 
     def crash_at_20(out):
         if len(out) == 20:
@@ -308,21 +400,43 @@ def test_crashed_run_resumes_and_its_rerun_keeps_checkpointing(lm, ids_and_refer
     new, stats, log = run_kept(lm, ids, tmp_path, compress)
     assert new == ref and log == [] and stats["resumed_from"] >= 2 * C
     after = read_manifest(manifest)
-    assert len(after["chunks"]) > len(before["chunks"]) and len(after["tokens"]) > len(before["tokens"])
+    assert len(after["chunks"]) > len(before["chunks"])
+    assert len(after["tokens"]) > len(before["tokens"])
     assert after["tokens"] == ids + ref[:len(after["tokens"]) - len(ids)]
 
 
+def test_resumed_task_reports_only_what_it_decoded(llama_ckpt, tmp_path):
+    """After a resume, the replayed tokens are fed again, not decoded: decoded_tokens and the decode
+    rate count only the tokens this run sampled (the batch summary adds decoded_tokens)."""
+    model = Transformer.from_pretrained(llama_ckpt)
+    ids = torch.randint(3, 128, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path), keep_files=True)
+
+    def crash(out):
+        if len(out) == 30:
+            raise Crash
+    with pytest.raises(Crash):
+        run_task(model, ids, 40, chunk_size=8, cfg=cfg, on_token=crash, fingerprint="fp",
+                 task_id="t")
+    new, st = run_task(model, ids, 40, chunk_size=8, cfg=cfg, fingerprint="fp", task_id="t")
+    assert st["resumed_from"] > 0 and len(new) == 40
+    assert 0 < st["decoded_tokens"] < 40 - (st["resumed_from"] - len(ids)) + 1, st
+
+
 @pytest.mark.parametrize("compress", ["none", "zstd"])
-def test_corrupt_chunk_restores_only_the_chunks_before_it(lm, ids_and_reference, tmp_path, compress):
+def test_corrupt_chunk_restores_only_the_chunks_before_it(lm, ids_and_reference, tmp_path,
+                                                          compress):
     ids, ref = ids_and_reference
     run_kept(lm, ids, tmp_path, compress)
     task_dir = tmp_path / safe_task_name("t")
     m = read_manifest(task_dir / "manifest.json")
     assert len(m["chunks"]) >= 3
     if compress == "none":  # chunk j of a layer starts at byte j * slot_bytes of layer{l}.kv
-        path, offset = task_dir / "layer0.kv", 1 * slot_bytes(lm[0]) + 5
+        path = task_dir / "layer0.kv"
+        offset = 1 * slot_bytes(lm[0]) + 5
     else:                   # a blob at the (offset, length) the manifest records
-        path, offset = task_dir / "layer0.zst", m["chunks"]["1"]["blob"][0][0] + 5
+        path = task_dir / "layer0.zst"
+        offset = m["chunks"]["1"]["blob"][0][0] + 5
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -348,9 +462,11 @@ def foreign_dtype(lm, ids, d):  # as if a bf16 run had left it: the manifest say
     path.write_text(json.dumps(m))
 
 
-@pytest.mark.parametrize("make_foreign,key", [(foreign_fingerprint, "fingerprint"), (foreign_chunk_size, "chunk_size"),
+@pytest.mark.parametrize("make_foreign,key", [(foreign_fingerprint, "fingerprint"),
+                                              (foreign_chunk_size, "chunk_size"),
                                               (foreign_dtype, "dtype")])
-def test_foreign_manifest_is_reported_and_ignored(lm, ids_and_reference, tmp_path, make_foreign, key):
+def test_foreign_manifest_is_reported_and_ignored(lm, ids_and_reference, tmp_path, make_foreign,
+                                                  key):
     ids, ref = ids_and_reference
     make_foreign(lm, ids, tmp_path)
     assert read_manifest(tmp_path / safe_task_name("t") / "manifest.json")["chunks"]
@@ -369,33 +485,42 @@ HOSTILE = ["../escape", "/abs/path", "a\x00b", "x" * 500, "dot.."]
 def test_hostile_ids_stay_inside_the_offload_dir(text_ckpt, tmp_path, capsys):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{**SHORT, "id": i} for i in HOSTILE])
     off = tmp_path / "off"
-    rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK, "--keep-cache"), capsys)
+    argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK, "--keep-cache")
+    rc, err = run_main(argv, capsys)
     assert rc == 0, err
     assert sorted(r["id"] for _, r in results(tmp_path / "results.jsonl")) == sorted(HOSTILE)
     names = os.listdir(off)
-    assert len(names) == len(HOSTILE) and set(names) == {safe_task_name(i) for i in HOSTILE}  # one each, distinct
+    # one each, distinct
+    assert len(names) == len(HOSTILE) and set(names) == {safe_task_name(i) for i in HOSTILE}
     root = os.path.realpath(off)
     for name in names:
         path = os.path.realpath(off / name)
-        assert os.path.dirname(path) == root and os.path.isfile(os.path.join(path, "layer0.kv")), path
-    assert sorted(os.listdir(tmp_path)) == ["off", "results.jsonl", "tasks.jsonl"]  # nothing landed beside it
+        assert os.path.dirname(path) == root, path
+        assert os.path.isfile(os.path.join(path, "layer0.kv")), path
+    # nothing landed beside it
+    assert sorted(os.listdir(tmp_path)) == ["off", "results.jsonl", "tasks.jsonl"]
+
+
+def file_mode(path):
+    return os.stat(path).st_mode & 0o777
 
 
 def test_files_are_owner_only(text_ckpt, tmp_path, capsys):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
-    off, output = tmp_path / "off", tmp_path / "results.jsonl"
+    off = tmp_path / "off"
+    output = tmp_path / "results.jsonl"
     old = os.umask(0)  # so that every mode below is the one the code asked for
     try:
         rc, err = run_main(batch_args(text_ckpt, tasks, output, off, *DISK, "--keep-cache"), capsys)
     finally:
         os.umask(old)
     assert rc == 0, err
-    mode = lambda p: os.stat(p).st_mode & 0o777
     task_dir = off / safe_task_name("short")
-    assert mode(off) == 0o700 and mode(task_dir) == 0o700 and mode(output) == 0o600
+    assert file_mode(off) == 0o700 and file_mode(task_dir) == 0o700
+    assert file_mode(output) == 0o600
     files = sorted(os.listdir(task_dir))
     assert {"lock", "manifest.json", "layer0.kv", "layer1.kv"} <= set(files), files
-    assert {f: mode(task_dir / f) for f in files} == {f: 0o600 for f in files}
+    assert {f: file_mode(task_dir / f) for f in files} == {f: 0o600 for f in files}
 
 
 def test_second_user_of_a_task_dir_is_refused_in_process(tmp_path):
@@ -406,28 +531,38 @@ def test_second_user_of_a_task_dir_is_refused_in_process(tmp_path):
     TaskDir(str(tmp_path), "same").close(remove=True)  # free again once the holder let go
 
 
+HOLDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from taskdir import TaskDir
+t = TaskDir(sys.argv[2], 'busy')
+print('holding', flush=True)
+sys.stdin.read()
+"""
+
+
 def test_second_user_of_a_task_dir_is_refused_across_processes(text_ckpt, tmp_path, capsys):
     off = tmp_path / "off"
     off.mkdir(mode=0o700)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from taskdir import TaskDir; "
-         "t = TaskDir(sys.argv[2], 'busy'); print('holding', flush=True); sys.stdin.read()", ROOT, str(off)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, ROOT, str(off)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "holding\n"
-        tasks = write_tasks(tmp_path / "tasks.jsonl", [{**SHORT, "id": "busy"}, {**SHORT, "id": "free"}])
-        rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK), capsys)
+        tasks = write_tasks(tmp_path / "tasks.jsonl",
+                            [{**SHORT, "id": "busy"}, {**SHORT, "id": "free"}])
+        argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK)
+        rc, err = run_main(argv, capsys)
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
     assert rc == 1
-    failed = [l for l in err.splitlines() if l.startswith("task busy: FAILED")]
+    failed = [line for line in err.splitlines() if line.startswith("task busy: FAILED")]
     assert len(failed) == 1 and f"in use by process {holder.pid}" in failed[0], err
     assert [r["id"] for _, r in results(tmp_path / "results.jsonl")] == ["free"]
 
 
 # -----------------------------------------------------------------------------
-# the monitor: alerts and trace
+# the monitor: alerts, trace and statistics
 
 @pytest.fixture
 def store(tmp_path):
@@ -436,7 +571,9 @@ def store(tmp_path):
 
     def make(mode):
         cfg = OffloadConfig(mode=mode, window=1, offload_dir=str(tmp_path))
-        made.append(TieredStore(shape=(2, 1, 1, C, 4), dtype=torch.float32, n_layers=1, max_length=4 * C, device="cpu", cfg=cfg, disk_path=str(tmp_path)))
+        made.append(TieredStore(shape=(2, 1, 1, C, 4), dtype=torch.float32, n_layers=1,
+                                max_length=4 * C, device="cpu", cfg=cfg,
+                                disk_path=str(tmp_path)))
         return made[-1]
     yield make
     for s in made:
@@ -444,22 +581,29 @@ def store(tmp_path):
 
 
 class StubCache:
-    """How far a task got, as Monitor.step reads it off a KVCache; the store says where its chunks are (nowhere)."""
+    """How far a task got, as Monitor.step reads it off a KVCache; the store says where its chunks
+    are (nowhere)."""
     def __init__(self, store, n_sealed=3):
-        self.store, self.n_sealed, self.chunk_size, self.length = store, n_sealed, C, n_sealed * C
+        self.store = store
+        self.n_sealed = n_sealed
+        self.chunk_size = C
+        self.length = n_sealed * C
 
 
 BIG_RAM = 1 << 60
-FINISHED = {"resumed_from": 0, "prefill_s": 0.01, "prompt_tokens": 40, "decode_s": 0.01, "decoded_tokens": 10,
-            "peak_device_bytes": 0, "peak_host_rss_bytes": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0}}
+FINISHED = {"resumed_from": 0, "prefill_s": 0.01, "prompt_tokens": 40, "decode_s": 0.01,
+            "decoded_tokens": 10, "peak_device_bytes": 0, "peak_host_rss_bytes": 0,
+            "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0}}
 
 
 def trace_alerts(path):
-    return [e["alert"] for e in map(json.loads, path.read_text().splitlines()) if "alert" in e]
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    return [e["alert"] for e in events if "alert" in e]
 
 
 def test_host_memory_alert(tmp_path, store):
-    alerts, quiet = [], store("none")
+    alerts = []
+    quiet = store("none")
     m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=1)
     m.step("a", "decode", StubCache(quiet))
     m.step("a", "decode", StubCache(quiet))  # once, not every step
@@ -472,69 +616,127 @@ def test_host_memory_alert(tmp_path, store):
 
 
 def test_slow_task_alert_compares_time_per_unit_of_work(tmp_path, store):
-    """A task is slow when it took over 2x what the finished tasks' mean rates give for the work it has done
-    (prefill seconds per prompt token, decode seconds per token); a task that is merely longer is not slow."""
-    alerts, quiet = [], store("none")
+    """A task is slow when it took over 2x what the finished tasks' mean rates give for the work it
+    has done (prefill seconds per prompt token, decode seconds per token); a task that is merely
+    longer is not slow."""
+    alerts = []
+    quiet = store("none")
     m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=BIG_RAM)
-    at = StubCache(quiet, n_sealed=4)                   # position 64: 40 prompt tokens, then 24 decoded
+    at = StubCache(quiet, n_sealed=4)  # position 64: 40 prompt tokens, then 24 decoded
     m.task_started("slow", prompt_tokens=40)
     m.started["slow"] = (time.perf_counter() - 60, 40)  # began a minute ago
     m.step("slow", "decode", at)
     assert alerts == []  # no finished task yet: nothing to compare with
     m.task_started("fast", prompt_tokens=40)
-    m.task_finished("fast", {**FINISHED, "prefill_s": 4.0, "decode_s": 10.0})  # 0.1 s/prompt token, 1 s/token
+    # 0.1 s/prompt token, 1 s/token
+    m.task_finished("fast", {**FINISHED, "prefill_s": 4.0, "decode_s": 10.0})
     m.task_started("long", prompt_tokens=40)
-    m.started["long"] = (time.perf_counter() - 40, 40)  # 40 s for 4 + 24 s of work: longer, not slower than 2x
+    # 40 s for 4 + 24 s of work: longer, not slower than 2x
+    m.started["long"] = (time.perf_counter() - 40, 40)
     m.step("long", "decode", at)
     assert alerts == [], alerts
-    m.step("slow", "decode", StubCache(quiet, n_sealed=2))  # 60 s for 4 + (32 - 40 < 0) s of work: slow
+    # 60 s for 4 + (32 - 40 < 0) s of work: slow
+    m.step("slow", "decode", StubCache(quiet, n_sealed=2))
     m.close()
     assert len(alerts) == 1 and "task slow" in alerts[0] and "2x" in alerts[0], alerts
     assert trace_alerts(tmp_path / "trace.jsonl") == ["slow_task"]
 
 
 def test_offload_not_in_effect_alert(tmp_path, store):
-    alerts, disk = [], store("disk")
+    alerts = []
+    disk = store("disk")
     m = Monitor(str(tmp_path / "trace.jsonl"), log=alerts.append, ram=BIG_RAM)
-    m.step("young", "decode", StubCache(disk, n_sealed=1))  # not past the window yet: nothing should have left
-    m.step("off", "decode", StubCache(store("none")))       # no offload configured
+    # not past the window yet: nothing should have left
+    m.step("young", "decode", StubCache(disk, n_sealed=1))
+    m.step("off", "decode", StubCache(store("none")))  # no offload configured
     assert alerts == []
-    m.step("stuck", "decode", StubCache(disk))              # 3 sealed, window 1, none on host or disk
+    m.step("stuck", "decode", StubCache(disk))  # 3 sealed, window 1, none on host or disk
     m.close()
     assert len(alerts) == 1 and "task stuck" in alerts[0] and "not in effect" in alerts[0], alerts
     assert trace_alerts(tmp_path / "trace.jsonl") == ["offload_not_in_effect"]
 
 
+BYTES_KEYS = {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read", "window_skipped"}
+
+
 def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, tmp_path):
+    model, tok = lm
     ids, _ = ids_and_reference
-    alerts, trace = [], tmp_path / "trace.jsonl"
+    alerts = []
+    trace = tmp_path / "trace.jsonl"
     m = Monitor(str(trace), log=alerts.append, ram=BIG_RAM)
     cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path / "off"))
-    run_task(lm[0], ids, NEW, chunk_size=C, cfg=cfg, eos_ids=lm[1].eos_ids, on_step=lambda phase, logits, cache: m.step("t", phase, cache))
+
+    def on_step(phase, logits, cache):
+        m.step("t", phase, cache)
+    run_task(model, ids, NEW, chunk_size=C, cfg=cfg, eos_ids=tok.eos_ids, on_step=on_step)
     m.close()
     assert alerts == []
     events = [json.loads(line) for line in trace.read_text().splitlines()]
     assert "run_start" in events.pop(0)  # a trace marks where each run starts
-    keys = {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss", "host_anon", "bytes",
-            "chunks"}
+    keys = {"t", "task", "phase", "position", "device_allocated", "device_peak", "host_rss",
+            "host_anon", "bytes", "chunks"}
     for e in events:
-        assert set(e) == keys and set(e["bytes"]) == {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read",
-                                                      "window_skipped"}, e
+        assert set(e) == keys and set(e["bytes"]) == BYTES_KEYS, e
         assert set(e["chunks"]) == {"device", "host", "disk"} and e["task"] == "t", e
     assert [e["phase"] for e in events] == ["prefill"] * -(-len(ids) // C) + ["decode"] * (NEW - 1)
     assert [e["position"] for e in events][-1] == len(ids) + NEW - 1
     assert sum(e["bytes"]["disk_write"] for e in events) > 0 and events[-1]["chunks"]["disk"] > 0
 
 
+# ~100 tokens: chunks reach the disk
+ONE = [{"id": "one", "prompt": TOPICS["else"][:400], "max_new_tokens": 6}]
+STATS_KEYS = {"prefill_s", "prefill_tokens_per_s", "ttft_s", "decode_s", "decoded_tokens",
+              "decode_tokens_per_s", "peak_device_bytes", "peak_host_rss_bytes",
+              "peak_host_anon_bytes", "peak_host_file_bytes", "pinned_bytes", "bytes", "io",
+              "chunks", "resumed_from", "kv_dtype"}
+
+
+def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
+    """The statistics, the trace and the summary as a user gets them from a batch run."""
+    trace = tmp_path / "trace.jsonl"
+    tasks = write_tasks(tmp_path / "tasks.jsonl", ONE)
+    argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", tmp_path / "off", *DISK,
+                      "--device", "cpu", "--trace", trace)
+    rc, err = run_main(argv, capsys)
+    assert rc == 0, err
+    r = by_id(tmp_path / "results.jsonl")["one"]
+    st = r["stats"]
+    assert set(st) == STATS_KEYS, set(st) ^ STATS_KEYS
+    assert set(st["bytes"]) == BYTES_KEYS
+    assert set(st["io"]) == {"storage_read", "storage_write"}
+    assert set(st["chunks"]) == {"device", "host", "disk"}
+    # CPU: no host-to-device link, nothing pinned
+    assert st["bytes"]["h2d"] == 0 and st["pinned_bytes"] == 0, st
+    assert st["decoded_tokens"] == len(r["tokens"]) - 1 and st["resumed_from"] == 0
+    assert min(st["prefill_s"], st["decode_s"], st["ttft_s"], st["peak_host_anon_bytes"]) > 0
+    assert st["peak_host_rss_bytes"] >= st["peak_host_anon_bytes"]
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert "run_start" in events[0] and all(e["task"] == "one" for e in events[1:])
+    prefill_steps = -(-r["prompt_tokens"] // C)
+    decode_steps = len(r["tokens"]) - 1
+    phases = [e["phase"] for e in events[1:]]
+    assert phases == ["prefill"] * prefill_steps + ["decode"] * decode_steps
+    assert sum(e["bytes"]["disk_write"] for e in events[1:]) == st["bytes"]["disk_write"]
+    assert "tasks: 1 done, 0 failed, 0 resumed" in err, err
+    assert f"decode: {len(r['tokens']) - 1} tokens" in err, err
+
+
 # -----------------------------------------------------------------------------
 # bad input
 
+def task_line(task_id):
+    return json.dumps({"id": task_id, "prompt": SHORT["prompt"], "max_new_tokens": 2})
+
+
 def test_malformed_lines_are_named_and_skipped(text_ckpt, tmp_path, capsys):
-    ok = lambda i: json.dumps({"id": i, "prompt": SHORT["prompt"], "max_new_tokens": 2})
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join([ok("a"), '{"id": "b", "prompt": ', ok("c"), ok("a"), '{"prompt": "no id"}']) + "\n")
+    lines = [task_line("a"), '{"id": "b", "prompt": ', task_line("c"), task_line("a"),
+             '{"prompt": "no id"}']
+    tasks.write_text("\n".join(lines) + "\n")
     output = tmp_path / "results.jsonl"
-    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", "--chunk-size", C), capsys)
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "off", "--chunk-size", C)
+    rc, err = run_main(argv, capsys)
     assert rc == 1
     assert f"{tasks} line 2: not valid JSON" in err, err
     assert f"{tasks} line 4: duplicate id 'a'" in err, err
@@ -542,17 +744,22 @@ def test_malformed_lines_are_named_and_skipped(text_ckpt, tmp_path, capsys):
     assert [r["id"] for _, r in results(output)] == ["a", "c"]
 
 
-@pytest.mark.parametrize("problem", ["missing checkpoint", "offload dir cannot be created", "missing prompts"])
+@pytest.mark.parametrize("problem", ["missing checkpoint", "offload dir cannot be created",
+                                     "missing prompts"])
 def test_unusable_paths_give_one_line_and_exit_2(text_ckpt, tmp_path, capsys, problem):
     tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
-    ckpt, off, flag = text_ckpt, tmp_path / "off", None
+    ckpt = text_ckpt
+    off = tmp_path / "off"
     if problem == "missing checkpoint":
-        ckpt, flag = tmp_path / "nowhere", "--ckpt"
+        ckpt = tmp_path / "nowhere"
+        flag = "--ckpt"
     elif problem == "offload dir cannot be created":
         (tmp_path / "file").write_text("not a directory")
-        off, flag = tmp_path / "file" / "sub", "--offload-dir"
+        off = tmp_path / "file" / "sub"
+        flag = "--offload-dir"
     else:
-        tasks, flag = tmp_path / "missing.jsonl", "--prompts"
+        tasks = tmp_path / "missing.jsonl"
+        flag = "--prompts"
     output = tmp_path / "results.jsonl"
     rc, err = run_main(batch_args(ckpt, tasks, output, off, *DISK), capsys)
     assert rc == 2

@@ -1,7 +1,8 @@
 """
-bench.py as a user runs it, on a tiny random model: the table and the JSON contract, the random checkpoint that
-transformers also loads (same greedy ids), the probe's prediction on the CPU, and bad flags answered with one line
-and exit code 2 before any heavy work. No timing is asserted: the machines these run on are noisy.
+bench.py as a user runs it, on a tiny random model: the table and the JSON contract, the random
+checkpoint that transformers also loads (same greedy ids), the probe's prediction on the CPU (and
+probe.py as a command of its own), and bad flags answered with one line and exit code 2 before any
+heavy work. No timing is asserted: the machines these run on are noisy.
 """
 import json
 import os
@@ -16,57 +17,82 @@ from random_model import parse_model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "dim=32,layers=2,heads=4,kv_heads=2,hidden=64,vocab=128"
-ROW_KEYS = {"context", "mode", "runs", "prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s", "peak_device_bytes",
-            "peak_host_rss_bytes", "peak_host_anon_bytes", "bytes", "chunks", "prefill_tokens_per_s_spread",
-            "decode_tokens_per_s_spread", "prefill_vs_none", "decode_vs_none", "predicted_decode_tokens_per_s",
-            "prediction_error", "ours_over_hf_prefill", "ours_over_hf_decode"}
+ROW_KEYS = {"context", "mode", "runs", "prefill_tokens_per_s", "decode_tokens_per_s", "ttft_s",
+            "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes", "bytes", "chunks",
+            "prefill_tokens_per_s_spread", "decode_tokens_per_s_spread", "prefill_vs_none",
+            "decode_vs_none", "predicted_decode_tokens_per_s", "prediction_error",
+            "ours_over_hf_prefill", "ours_over_hf_decode"}
 
 
-def cli(*args):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--device", "cpu", "--threads", "1",
-                        *map(str, args)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+def run_bench(*args):
+    """bench.py on the CPU in a child process, as a user runs it; it must succeed."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--device", "cpu",
+                        "--threads", "1", *map(str, args)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr
     return p
 
 
 def test_bench_end_to_end_with_transformers(tmp_path):
-    model_dir, out = tmp_path / "model", tmp_path / "bench.json"
-    p = cli("--random-model", TINY, "--ckpt", model_dir, "--contexts", "64,128", "--modes", "none,disk",
-            "--chunk-size", 16, "--new-tokens", 4, "--repeats", 1, "--vs-hf", "--offload-dir", tmp_path / "kv",
-            "--json", out)
+    model_dir = tmp_path / "model"
+    out = tmp_path / "bench.json"
+    p = run_bench("--random-model", TINY, "--ckpt", model_dir, "--contexts", "64,128",
+                  "--modes", "none,disk", "--chunk-size", 16, "--new-tokens", 4, "--repeats", 1,
+                  "--vs-hf", "--offload-dir", tmp_path / "kv", "--json", out)
     r = json.loads(out.read_text())
     assert set(r) == {"machine", "config", "calibration", "results", "hf"}
-    assert [(row["context"], row["mode"]) for row in r["results"]] == [(64, "none"), (64, "disk"),
-                                                                       (128, "none"), (128, "disk")]
+    runs = [(row["context"], row["mode"]) for row in r["results"]]
+    assert runs == [(64, "none"), (64, "disk"), (128, "none"), (128, "disk")]
     for row in r["results"]:
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
-        assert min(row["prefill_tokens_per_s"], row["decode_tokens_per_s"], row["predicted_decode_tokens_per_s"]) > 0
-        assert row["peak_device_bytes"] > 0 and row["peak_host_rss_bytes"] >= row["peak_host_anon_bytes"] > 0
-    none, disk = r["results"][2], r["results"][3]
-    assert none["decode_vs_none"] == 1.0 and none["bytes"]["disk_write"] == 0 and none["chunks"]["disk"] == 0
-    assert disk["bytes"]["disk_write"] > 0 and disk["bytes"]["disk_mapped_read"] > 0 and disk["chunks"]["disk"] > 0
-    # the random checkpoint is a real Hugging Face one: transformers loads it and decodes the same greedy ids
-    assert [row["context"] for row in r["hf"]] == [64, 128] and all(row["greedy_ids_equal_ours"] for row in r["hf"])
-    assert r["config"]["model"] == dict(dim=32, layers=2, heads=4, kv_heads=2, head_dim=8, hidden=64, vocab=128)
-    assert "| context | mode |" in p.stdout and "| 128 | disk |" in p.stdout and "DynamicCache" in p.stdout
-    assert (model_dir / "config.json").exists() and not any(os.scandir(tmp_path / "kv")), "disk tier files left behind"
+        rates = (row["prefill_tokens_per_s"], row["decode_tokens_per_s"],
+                 row["predicted_decode_tokens_per_s"])
+        assert min(rates) > 0
+        assert row["peak_device_bytes"] > 0
+        assert row["peak_host_rss_bytes"] >= row["peak_host_anon_bytes"] > 0
+    none = r["results"][2]
+    disk = r["results"][3]
+    assert none["decode_vs_none"] == 1.0
+    assert none["bytes"]["disk_write"] == 0 and none["chunks"]["disk"] == 0
+    assert disk["bytes"]["disk_write"] > 0 and disk["bytes"]["disk_mapped_read"] > 0
+    assert disk["chunks"]["disk"] > 0
+    # the random checkpoint is a real Hugging Face one: transformers loads it and decodes the same
+    # greedy ids
+    assert [row["context"] for row in r["hf"]] == [64, 128]
+    assert all(row["greedy_ids_equal_ours"] for row in r["hf"])
+    assert r["config"]["model"] == dict(dim=32, layers=2, heads=4, kv_heads=2, head_dim=8,
+                                        hidden=64, vocab=128)
+    assert "| context | mode |" in p.stdout and "| 128 | disk |" in p.stdout
+    assert "DynamicCache" in p.stdout
+    assert (model_dir / "config.json").exists()
+    assert not any(os.scandir(tmp_path / "kv")), "disk tier files left behind"
 
 
 def test_probe_predicts_on_cpu(tmp_path):
     out = tmp_path / "probe.json"
-    p = cli("--probe", "--random-model", TINY, "--contexts", "64,256", "--chunk-size", 16, "--new-tokens", 4,
-            "--repeats", 1, "--offload-dir", tmp_path, "--probe-mib", 8, "--json", out)
+    p = run_bench("--probe", "--random-model", TINY, "--contexts", "64,256", "--chunk-size", 16,
+                  "--new-tokens", 4, "--repeats", 1, "--offload-dir", tmp_path, "--probe-mib", 8,
+                  "--json", out)
     r = json.loads(out.read_text())
     assert set(r["predicted"]) == {"64", "256"}
     for per_mode in r["predicted"].values():
-        # zstandard is installed and the probe measures it, so every mode, disk+zstd too, gets a prediction
-        assert set(per_mode) == set(bench.MODE_SPECS) and all(v is not None and v > 0 for v in per_mode.values()), per_mode
+        # zstandard is installed and the probe measures it, so every mode, disk+zstd too, gets a
+        # prediction
+        assert set(per_mode) == set(bench.MODE_SPECS), per_mode
+        assert all(v is not None and v > 0 for v in per_mode.values()), per_mode
     assert r["calibration"]["link_gbps"]["host_memcpy"] > 0
     assert r["calibration"]["disk_gbps"]["read"] > 0 and r["calibration"]["disk_gbps"]["method"]
     assert "Predicted decode at 256 tokens" in p.stdout and "torch " in p.stdout
     if not torch.cuda.is_available():
         assert "CUDA is absent" in p.stdout
-    assert [f for f in os.listdir(tmp_path) if f.startswith(".bench")] == [], "probe scratch files left behind"
+    scratch = [f for f in os.listdir(tmp_path) if f.startswith(".bench")]
+    assert scratch == [], "probe scratch files left behind"
+
+
+def test_probe_py_is_a_command():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "probe.py"), "--help"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "--probe" in p.stdout
 
 
 @pytest.mark.parametrize("argv", [
@@ -100,28 +126,33 @@ def test_random_model_refuses_a_non_empty_directory(tmp_path, capsys):
 
 def test_model_spec_presets_and_overrides():
     s = parse_model_spec("7b-like", layers=4)
-    assert s == dict(dim=4096, layers=4, heads=32, kv_heads=32, head_dim=128, hidden=11008, vocab=32000)
+    assert s == dict(dim=4096, layers=4, heads=32, kv_heads=32, head_dim=128, hidden=11008,
+                     vocab=32000)
     assert parse_model_spec("7b-like,kv_heads=8")["kv_heads"] == 8
     assert parse_model_spec(TINY)["head_dim"] == 32 // 4
 
 
 def test_fresh_process_runs_each_side_in_its_own_process(tmp_path, monkeypatch, capsys):
-    """--fresh-process: every (context, mode) run, ours and transformers', is a child process of its own, whose
-    numbers come back as JSON into the same table; the greedy ids still agree across the process boundary."""
-    children, real_run = [], bench.subprocess.run
+    """--fresh-process: every (context, mode) run, ours and transformers', is a child process of its
+    own, whose numbers come back as JSON into the same table; the greedy ids still agree across the
+    process boundary."""
+    children = []
+    real_run = bench.subprocess.run
 
     def spy(argv, **kwargs):
         children.append(argv[argv.index("--child-run") + 1])
         return real_run(argv, **kwargs)
     monkeypatch.setattr(bench.subprocess, "run", spy)
     out = tmp_path / "bench.json"
-    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY, "--contexts", "64", "--modes",
-                     "none", "--chunk-size", "16", "--new-tokens", "4", "--repeats", "1", "--vs-hf",
-                     "--fresh-process", "--offload-dir", str(tmp_path / "kv"), "--json", str(out)])
+    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
+                     "--contexts", "64", "--modes", "none", "--chunk-size", "16",
+                     "--new-tokens", "4", "--repeats", "1", "--vs-hf", "--fresh-process",
+                     "--offload-dir", str(tmp_path / "kv"), "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     assert sorted(children) == ["hf:64:4", "none:64:4"]  # no warm-up runs: each one is cold
     r = json.loads(out.read_text())
-    assert [row["mode"] for row in r["results"]] == ["none"] and r["hf"][0]["greedy_ids_equal_ours"]
+    assert [row["mode"] for row in r["results"]] == ["none"]
+    assert r["hf"][0]["greedy_ids_equal_ours"]
     for row in r["results"] + r["hf"]:
         assert row["prefill_tokens_per_s"] > 0 and row["peak_host_anon_bytes"] > 0
     assert r["config"]["fresh_process"] and r["results"][0]["ours_over_hf_prefill"] > 0

@@ -1,7 +1,8 @@
 """
-Chat templates judged against transformers' apply_chat_template on tiny tokenizers built offline (a byte-level BPE
-tokenizer.json with ChatML and Llama 2 special tokens; a sentencepiece model), plus the errors around them, the
-eos ids generate stops at, the gguf message and the prefill progress line.
+Chat templates judged against transformers' apply_chat_template on tiny tokenizers built offline (a
+byte-level BPE tokenizer.json with ChatML and Llama 2 special tokens; a sentencepiece model), plus
+the errors around them, the eos ids generate stops at, the gguf message and the prefill progress
+line.
 """
 import io
 import json
@@ -16,8 +17,8 @@ from model import Transformer
 from progress import Progress, duration
 from tokenizer import Tokenizer, chat_messages, messages_problem
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing boxes "
-         "system user assistant you are helpful").split()
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing "
+         "boxes system user assistant you are helpful").split()
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 
 # Qwen2.5's template, shortened: a default system message when the chat has none
@@ -36,21 +37,28 @@ CHATML = """{%- if messages[0]['role'] == 'system' %}
 {%- endif %}
 """
 
-# Llama 2's template: bos_token before every user turn, <<SYS>> folded into the first, raise_exception on bad roles
+# Llama 2's template: bos_token before every user turn, <<SYS>> folded into the first,
+# raise_exception on bad roles
 LLAMA2 = ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
-          "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+          "{% set system_message = messages[0]['content'] %}"
+          "{% else %}{% set loop_messages = messages %}"
           "{% set system_message = false %}{% endif %}{% for message in loop_messages %}"
           "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "{{ raise_exception('Conversation roles must alternate "
+          "user/assistant/user/assistant/...') }}"
+          "{% endif %}"
           "{% if loop.index0 == 0 and system_message != false %}"
-          "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+          "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' "
+          "+ message['content'] %}"
           "{% else %}{% set content = message['content'] %}{% endif %}"
-          "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
-          "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
+          "{% if message['role'] == 'user' %}"
+          "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+          "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}"
+          "{% endif %}"
           "{% endfor %}")
 
-# the rest of the environment transformers renders in: tojson keeping non-ASCII, strftime_now, namespace,
-# loop controls, {% generation %}, trim_blocks / lstrip_blocks around block tags
+# the rest of the environment transformers renders in: tojson keeping non-ASCII, strftime_now,
+# namespace, loop controls, {% generation %}, trim_blocks / lstrip_blocks around block tags
 FEATURES = """{% set ns = namespace(n=0) %}
 {% for m in messages %}
     {% if m.role == 'system' %}{% continue %}{% endif %}
@@ -67,8 +75,10 @@ SYSTEM = "You are a jolly wizard."
 CHATS = {
     "user": [{"role": "user", "content": "the lazy dog jumps over a fox"}],
     "system": chat_messages("the lazy dog jumps over a fox", system=SYSTEM),
-    "turns": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hex the boxes", "name": None},
-              {"role": "assistant", "content": "  seven boxes, naïve 日本  "}, {"role": "user", "content": "why?"}],
+    "turns": [{"role": "system", "content": SYSTEM},
+              {"role": "user", "content": "hex the boxes", "name": None},
+              {"role": "assistant", "content": "  seven boxes, naïve 日本  "},
+              {"role": "user", "content": "why?"}],
 }
 
 
@@ -78,7 +88,8 @@ def write_json(path, obj):
 
 
 def build_json_ckpt(path, template=None, bos_processor=False, **tokenizer_config):
-    """A byte-level BPE tokenizer.json with ChatML and Llama 2 special tokens, its configs, and a template."""
+    """A byte-level BPE tokenizer.json with ChatML and Llama 2 special tokens, its configs, and a
+    template."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     r = random.Random(0)
@@ -87,44 +98,50 @@ def build_json_ckpt(path, template=None, bos_processor=False, **tokenizer_config
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([" ".join(r.choice(WORDS) for _ in range(12)) for _ in range(300)], trainer)
-    if bos_processor:  # Llama 3 style: plain encode() prepends BOS, which a rendered chat must not get twice
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    lines = [" ".join(r.choice(WORDS) for _ in range(12)) for _ in range(300)]
+    tok.train_from_iterator(lines, trainer)
+    # Llama 3 style: plain encode() prepends BOS, which a rendered chat must not get twice
+    if bos_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", 0)])
     os.makedirs(path, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     write_json(path / "config.json", {"bos_token_id": 0, "eos_token_id": 1})
-    config = {"bos_token": "<s>", "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
-              "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
+    eos = {"__type": "AddedToken", "content": "</s>", "special": True}
+    tok_config = {"bos_token": "<s>", "eos_token": eos, "pad_token": "<|endoftext|>",
+                  "tokenizer_class": "PreTrainedTokenizerFast", **tokenizer_config}
     if template is not None:
-        config["chat_template"] = template
-    write_json(path / "tokenizer_config.json", config)
+        tok_config["chat_template"] = template
+    write_json(path / "tokenizer_config.json", tok_config)
     return path
 
 
 def hf_chat_ids(path, messages):
     from transformers import AutoTokenizer
-    out = AutoTokenizer.from_pretrained(str(path)).apply_chat_template(messages, add_generation_prompt=True,
-                                                                       tokenize=True)
+    hf_tok = AutoTokenizer.from_pretrained(str(path))
+    out = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)  # 5.x returns a BatchEncoding
 
 
 @pytest.mark.parametrize("chat", CHATS)
-@pytest.mark.parametrize("template,bos_processor", [(CHATML, False), (LLAMA2, True), (FEATURES, False)],
+@pytest.mark.parametrize("template,bos_processor",
+                         [(CHATML, False), (LLAMA2, True), (FEATURES, False)],
                          ids=["chatml", "llama2", "features"])
 def test_template_matches_transformers(tmp_path, template, bos_processor, chat):
     path = build_json_ckpt(tmp_path / "ckpt", template, bos_processor)
     ids = Tokenizer(str(path)).apply_chat_template(CHATS[chat])
     assert ids == hf_chat_ids(path, CHATS[chat])
     specials = set(range(len(SPECIALS)))
-    assert specials & set(ids)  # the template's special tokens became their ids, not their characters
+    # the template's special tokens became their ids, not their characters
+    assert specials & set(ids)
     if template is LLAMA2:
         assert ids[:2] != [0, 0] and ids.count(0) == sum(m["role"] == "user" for m in CHATS[chat])
     if template is FEATURES:  # extra variables reach the template, as transformers' **kwargs do
         from transformers import AutoTokenizer
         hf = AutoTokenizer.from_pretrained(str(path))
         with_var = Tokenizer(str(path)).apply_chat_template(CHATS[chat], greeting="hex")
-        assert with_var != ids and with_var == hf.apply_chat_template(CHATS[chat], add_generation_prompt=True,
-                                                                      greeting="hex")["input_ids"]
+        want = hf.apply_chat_template(CHATS[chat], add_generation_prompt=True, greeting="hex")
+        assert with_var != ids and with_var == want["input_ids"]
 
 
 def test_default_system_message_and_system_flag(tmp_path):
@@ -134,7 +151,8 @@ def test_default_system_message_and_system_flag(tmp_path):
     assert "You are a helpful assistant." in default and SYSTEM not in default
     assert SYSTEM in given and "You are a helpful assistant." not in given
     assert chat_messages("hi") == [{"role": "user", "content": "hi"}]
-    assert chat_messages("hi", system="")[0] == {"role": "system", "content": ""}  # "" overrides the default
+    # "" overrides the default
+    assert chat_messages("hi", system="")[0] == {"role": "system", "content": ""}
 
 
 def test_chat_template_jinja_and_named_list(tmp_path):
@@ -143,13 +161,18 @@ def test_chat_template_jinja_and_named_list(tmp_path):
     (path / "chat_template.jinja").write_text(CHATML)
     ids = Tokenizer(str(path)).apply_chat_template(CHATS["system"])
     assert ids == hf_chat_ids(path, CHATS["system"])
-    assert ids != Tokenizer(str(build_json_ckpt(tmp_path / "plain", LLAMA2))).apply_chat_template(CHATS["system"])
+    plain = Tokenizer(str(build_json_ckpt(tmp_path / "plain", LLAMA2)))
+    assert ids != plain.apply_chat_template(CHATS["system"])
     # a list of named templates: "default" is the one used
     listed = build_json_ckpt(tmp_path / "list", [{"name": "tool_use", "template": LLAMA2},
                                                  {"name": "default", "template": CHATML}])
-    assert Tokenizer(str(listed)).apply_chat_template(CHATS["turns"]) == hf_chat_ids(listed, CHATS["turns"])
-    nameless = Tokenizer(str(build_json_ckpt(tmp_path / "nameless", [{"name": "tool_use", "template": CHATML}])))
-    assert nameless.decode(nameless.encode("the lazy dog")) == "the lazy dog"  # plain text still works
+    listed_ids = Tokenizer(str(listed)).apply_chat_template(CHATS["turns"])
+    assert listed_ids == hf_chat_ids(listed, CHATS["turns"])
+    nameless_path = build_json_ckpt(tmp_path / "nameless",
+                                    [{"name": "tool_use", "template": CHATML}])
+    nameless = Tokenizer(str(nameless_path))
+    # plain text still works
+    assert nameless.decode(nameless.encode("the lazy dog")) == "the lazy dog"
     with pytest.raises(CheckpointError, match="none named \"default\""):
         nameless.chat_template()
 
@@ -159,21 +182,33 @@ def test_template_errors_are_one_sentence(tmp_path):
     path = build_json_ckpt(tmp_path / "ckpt", LLAMA2)
     bad = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
     with pytest.raises(Exception, match="must alternate"):  # transformers refuses it too
-        AutoTokenizer.from_pretrained(str(path)).apply_chat_template(bad, add_generation_prompt=True)
-    with pytest.raises(ValueError, match="rejected the messages \\(Conversation roles must alternate"):
+        hf_tok = AutoTokenizer.from_pretrained(str(path))
+        hf_tok.apply_chat_template(bad, add_generation_prompt=True)
+    with pytest.raises(ValueError,
+                       match="rejected the messages \\(Conversation roles must alternate"):
         Tokenizer(str(path)).apply_chat_template(bad)
     none = build_json_ckpt(tmp_path / "none")
     with pytest.raises(CheckpointError, match="has no chat template .*drop --chat"):
         Tokenizer(str(none)).apply_chat_template(CHATS["user"])
     broken = build_json_ckpt(tmp_path / "broken", "{% for m in messages %}{{ m.content }")
-    with pytest.raises(CheckpointError, match="tokenizer_config.json: the chat template is not valid jinja"):
-        Tokenizer(str(broken)).chat_template()  # the early check the CLI makes, before the model loads
+    with pytest.raises(CheckpointError,
+                       match="tokenizer_config.json: the chat template is not valid jinja"):
+        # the early check the CLI makes, before the model loads
+        Tokenizer(str(broken)).chat_template()
 
 
-@pytest.mark.parametrize("messages", [None, [], "hi", {"role": "user", "content": "hi"}, ["hi"],
-                                      [{"role": "user"}], [{"content": "hi"}], [{"role": "user", "content": 3}],
-                                      [{"role": "", "content": "hi"}],
-                                      [{"role": "user", "content": "hi"}, {"role": None, "content": "x"}]])
+@pytest.mark.parametrize("messages", [
+    None,
+    [],
+    "hi",
+    {"role": "user", "content": "hi"},
+    ["hi"],
+    [{"role": "user"}],
+    [{"content": "hi"}],
+    [{"role": "user", "content": 3}],
+    [{"role": "", "content": "hi"}],
+    [{"role": "user", "content": "hi"}, {"role": None, "content": "x"}],
+])
 def test_messages_problem(tmp_path, messages):
     problem = messages_problem(messages)
     assert isinstance(problem, str) and "'messages'" in problem
@@ -189,8 +224,9 @@ def test_messages_problem_accepts_chats():
 
 @pytest.mark.parametrize("legacy", [True, False])
 def test_sentencepiece_bos_once(tmp_path, legacy):
-    """A template that writes bos_token, on a sentencepiece model that prepends BOS to plain text: BOS once per
-    user turn. legacy=True is compared with transformers' sentencepiece tokenizer (the other mode needs protobuf)."""
+    """A template that writes bos_token, on a sentencepiece model that prepends BOS to plain text:
+    BOS once per user turn. legacy=True is compared with transformers' sentencepiece tokenizer (the
+    other mode needs protobuf)."""
     import sentencepiece as spm
 
     from ckpt import add_sentencepiece
@@ -200,19 +236,24 @@ def test_sentencepiece_bos_once(tmp_path, legacy):
     write_json(path / "config.json", {"bos_token_id": 1, "eos_token_id": 2})
     write_json(path / "tokenizer_config.json", {"chat_template": LLAMA2, "legacy": legacy})
     tok = Tokenizer(str(path))
-    chat = [{"role": "user", "content": "the object is a class"}, {"role": "assistant", "content": "yes it is"},
+    chat = [{"role": "user", "content": "the object is a class"},
+            {"role": "assistant", "content": "yes it is"},
             {"role": "user", "content": "return None"}]
     ids = tok.apply_chat_template(chat)
-    assert tok.encode("x")[0] == 1 and ids[0] == 1 and ids[1] != 1 and ids.count(1) == 2 and ids.count(2) == 1
+    assert tok.encode("x")[0] == 1 and ids[0] == 1 and ids[1] != 1
+    assert ids.count(1) == 2 and ids.count(2) == 1
     sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
     if legacy:
         from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
-        ref = SentencePieceBackend(vocab_file=str(path / "tokenizer.model"), legacy=True, bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>", chat_template=LLAMA2)
-        assert ids == ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+        ref = SentencePieceBackend(vocab_file=str(path / "tokenizer.model"), legacy=True,
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   chat_template=LLAMA2)
+        want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        assert ids == want["input_ids"]
     else:  # after a special token no prefix space: the pieces spell the text exactly
         pieces = "".join(sp.id_to_piece(i) for i in ids[1:ids.index(2)])
-        pieces = re.sub("<0x([0-9A-F]{2})>", lambda m: chr(int(m.group(1), 16)), pieces)  # byte-fallback pieces
+        # byte-fallback pieces
+        pieces = re.sub("<0x([0-9A-F]{2})>", lambda m: chr(int(m.group(1), 16)), pieces)
         assert pieces == "[INST] the object is a class [/INST] yes it is".replace(" ", "\u2581")
 
 
@@ -220,16 +261,19 @@ def test_eos_ids_are_generation_configs(tmp_path):
     from transformers import GenerationConfig
     path = build_json_ckpt(tmp_path / "ckpt", CHATML)
     write_json(path / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [1, 3, 4]})
-    assert Tokenizer(str(path)).eos_ids == set(GenerationConfig.from_pretrained(str(path)).eos_token_id)
+    want = GenerationConfig.from_pretrained(str(path)).eos_token_id
+    assert Tokenizer(str(path)).eos_ids == set(want)
     write_json(path / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 3})
-    assert Tokenizer(str(path)).eos_ids == {GenerationConfig.from_pretrained(str(path)).eos_token_id}
+    want = GenerationConfig.from_pretrained(str(path)).eos_token_id
+    assert Tokenizer(str(path)).eos_ids == {want}
 
 
 def test_gguf_directory(tmp_path):
     (tmp_path / "qwen2.5-0.5b-instruct-q4_k_m.gguf").write_bytes(b"GGUF")
     for load in (Transformer.from_pretrained, Tokenizer):
-        with pytest.raises(CheckpointError, match="holds qwen2.5-0.5b-instruct-q4_k_m.gguf, a llama.cpp file.*"
-                                                  "gguf_file=\"qwen2.5-0.5b-instruct-q4_k_m.gguf\""):
+        with pytest.raises(CheckpointError,
+                           match="holds qwen2.5-0.5b-instruct-q4_k_m.gguf, a llama.cpp file.*"
+                                 "gguf_file=\"qwen2.5-0.5b-instruct-q4_k_m.gguf\""):
             load(str(tmp_path))
     os.remove(tmp_path / "qwen2.5-0.5b-instruct-q4_k_m.gguf")
     with pytest.raises(CheckpointError, match="config.json not found"):
@@ -253,21 +297,27 @@ class Clock:
 
 
 def test_progress_on_a_terminal():
-    out, clock = Tty(), Clock()
+    out = Tty()
+    clock = Clock()
     p = Progress(stream=out, clock=clock)
-    for step in range(1, 17):  # 16 steps of 1024 tokens, 0.1 s each: a draw every third step at most
+    # 16 steps of 1024 tokens, 0.1 s each: a draw every third step at most
+    for step in range(1, 17):
         clock.t += 0.1
         p.update(1024 * step, 16384)
     lines = out.getvalue().split("\r")[1:]
     assert out.getvalue().endswith("\n") and 3 <= len(lines) <= 7
-    done, elapsed = 1024 * 3, 0.3  # the first draw: 0.3 s in, after step 3
+    done = 1024 * 3  # the first draw: 0.3 s in, after step 3
+    elapsed = 0.3
     assert lines[0].rstrip() == (f"prefill {done}/16384 tokens, {done / elapsed:.0f} tok/s, "
                                  f"ETA {(16384 - done) / (done / elapsed):.0f}s")
     assert lines[-1].rstrip() == f"prefill 16384/16384 tokens, {16384 / 1.6:.0f} tok/s"
-    assert all(len(l.rstrip("\n")) >= len(lines[i].rstrip()) for i, l in enumerate(lines[1:]))  # tails blanked
+    # each line blanks the tail of the one before it
+    assert all(len(line.rstrip("\n")) >= len(lines[i].rstrip())
+               for i, line in enumerate(lines[1:]))
 
 
-@pytest.mark.parametrize("stream,enabled", [(io.StringIO(), True), (Tty(), False)], ids=["not-a-tty", "disabled"])
+@pytest.mark.parametrize("stream,enabled", [(io.StringIO(), True), (Tty(), False)],
+                         ids=["not-a-tty", "disabled"])
 def test_progress_silent(stream, enabled):
     clock = Clock()
     p = Progress(stream=stream, enabled=enabled, clock=clock)
@@ -279,7 +329,8 @@ def test_progress_silent(stream, enabled):
 
 
 def test_progress_silent_for_a_short_prefill():
-    out, clock = Tty(), Clock()
+    out = Tty()
+    clock = Clock()
     p = Progress(stream=out, clock=clock)
     clock.t += 0.05
     p.update(100, 100)
@@ -288,8 +339,9 @@ def test_progress_silent_for_a_short_prefill():
 
 
 def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
-    """`generate.py --chat --system S --prompt Q` on an instruct-style checkpoint feeds exactly the ids transformers'
-    apply_chat_template(..., add_generation_prompt=True) builds, and batch lines may carry "messages"."""
+    """`generate.py --chat --system S --prompt Q` on an instruct-style checkpoint feeds exactly the
+    ids transformers' apply_chat_template(..., add_generation_prompt=True) builds, and batch lines
+    may carry "messages"."""
     import shutil
 
     import cli
@@ -300,14 +352,18 @@ def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
         shutil.copy(toks / name, ckpt / name)
     question = "the lazy dog jumps over a fox"
     capsys.readouterr()
-    assert cli.main(["--ckpt", str(ckpt), "--chat", "--system", SYSTEM, "--prompt", question, "--json",
-                     "--max-new-tokens", "2", "--chunk-size", "16"]) == 0
+    assert cli.main(["--ckpt", str(ckpt), "--chat", "--system", SYSTEM, "--prompt", question,
+                     "--json", "--max-new-tokens", "2", "--chunk-size", "16"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_ids"] == hf_chat_ids(ckpt, chat_messages(question, SYSTEM))
-    tasks, out = tmp_path / "tasks.jsonl", tmp_path / "results.jsonl"
-    tasks.write_text(json.dumps({"id": "m", "messages": CHATS["turns"], "max_new_tokens": 2}) + "\n")
-    assert cli.main(["--ckpt", str(ckpt), "--prompts", str(tasks), "--output", str(out), "--chunk-size", "16"]) == 0
+    tasks = tmp_path / "tasks.jsonl"
+    out = tmp_path / "results.jsonl"
+    task = {"id": "m", "messages": CHATS["turns"], "max_new_tokens": 2}
+    tasks.write_text(json.dumps(task) + "\n")
+    assert cli.main(["--ckpt", str(ckpt), "--prompts", str(tasks), "--output", str(out),
+                     "--chunk-size", "16"]) == 0
     assert json.loads(out.read_text())["prompt_ids"] == hf_chat_ids(ckpt, CHATS["turns"])
     capsys.readouterr()
-    assert cli.main(["--ckpt", str(ckpt), "--system", SYSTEM, "--prompt", question]) == 2  # --system needs --chat
+    # --system needs --chat
+    assert cli.main(["--ckpt", str(ckpt), "--system", SYSTEM, "--prompt", question]) == 2
     assert "--chat" in capsys.readouterr().err

@@ -1,76 +1,192 @@
 """
-generate.py and verify.py as a user runs them: the JSON contract, verify's verdict, and bad input answered with
-one line and exit code 2 before any heavy work.
+generate.py and verify.py as a user runs them: the JSON contract, verify's verdict (and the first
+differing step it names when a mode differs), what a user is told when an offload cannot take
+effect or --max-new-tokens is cut, the default offload directory, and bad input answered with one
+line and exit code 2 before any heavy work.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
+
+import cli
+import generate
+import verify
+from ckpt import edit_config
+from model import Transformer
+from offload import OffloadConfig, TieredStore
+from pools import DISK
+from task import run_task
+from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROMPT = "The with statement is used to wrap the execution of a block with methods defined by a context manager."
+PROMPT = ("The with statement is used to wrap the execution of a block with methods defined by a "
+          "context manager.")
+TEXT = PROMPT + " "  # to repeat
 
 
-def cli(script, *args, ok=True):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+def main_in_process(argv, capsys):
+    """generate.py's main() in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def run_script(name, *args, ok=True):
+    """The script `name` in a child process, as a user runs it."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, name), *map(str, args)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     if ok:
         assert p.returncode == 0, p.stderr
     return p
 
 
 def test_generate_json_contract(text_ckpt, tmp_path):
-    out = cli("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3, "--max-new-tokens", 12, "--chunk-size", 16,
-              "--window", 1, "--offload", "disk", "--offload-dir", tmp_path, "--json")
+    out = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3,
+                     "--max-new-tokens", 12, "--chunk-size", 16, "--window", 1, "--offload", "disk",
+                     "--offload-dir", tmp_path, "--json")
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1
     r = json.loads(lines[0])
     assert set(r) >= {"id", "prompt_ids", "prompt_tokens", "tokens", "text", "stats"}
     assert r["prompt_tokens"] == len(r["prompt_ids"]) > 3 * 16 and len(r["tokens"]) == 12
     st = r["stats"]
-    for key in ("prefill_s", "decode_s", "decode_tokens_per_s", "peak_device_bytes", "peak_host_rss_bytes"):
+    for key in ("prefill_s", "decode_s", "decode_tokens_per_s", "peak_device_bytes",
+                "peak_host_rss_bytes"):
         assert st[key] > 0, key
-    assert st["bytes"]["disk_write"] > 0 and st["bytes"]["disk_mapped_read"] > 0 and st["chunks"]["disk"] > 0
+    assert st["bytes"]["disk_write"] > 0 and st["bytes"]["disk_mapped_read"] > 0
+    assert st["chunks"]["disk"] > 0
     assert "tok/s" in out.stderr
     # the same run without offload generates the same tokens
-    plain = json.loads(cli("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3, "--max-new-tokens", 12,
-                           "--chunk-size", 16, "--offload", "none", "--json").stdout)
+    plain = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3,
+                       "--max-new-tokens", 12, "--chunk-size", 16, "--offload", "none", "--json")
+    plain = json.loads(plain.stdout)
     assert plain["tokens"] == r["tokens"] and plain["stats"]["bytes"]["disk_mapped_read"] == 0
 
 
 def test_generate_max_length_caps_prompt_plus_new(text_ckpt):
-    """Exactly the tokens of a run that never stops at EOS, cut at the first EOS or at 80 positions in all."""
-    from model import Transformer
-    from offload import OffloadConfig
-    from task import run_task
-    from tokenizer import load_tokenizer
-    r = json.loads(cli("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-length", 80, "--chunk-size", 8,
-                       "--offload", "cpu", "--window", 0, "--json").stdout)
+    """Exactly the tokens of a run that never stops at EOS, cut at the first EOS or at 80 positions
+    in all."""
+    out = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-length", 80,
+                     "--chunk-size", 8, "--offload", "cpu", "--window", 0, "--json")
+    r = json.loads(out.stdout)
     tok = load_tokenizer(text_ckpt)
     ids = tok.encode(PROMPT)
     assert r["prompt_ids"] == ids and len(ids) < 80
-    free, _ = run_task(Transformer.from_pretrained(text_ckpt), ids, 80 - len(ids), chunk_size=8, cfg=OffloadConfig())
+    model = Transformer.from_pretrained(text_ckpt)
+    free, _ = run_task(model, ids, 80 - len(ids), chunk_size=8, cfg=OffloadConfig())
     ends = [i + 1 for i, t in enumerate(free) if t in tok.eos_ids]
     assert r["tokens"] == free[:ends[0] if ends else len(free)]
 
 
 def test_generate_streams_text(text_ckpt):
-    out = cli("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8)
+    out = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5,
+                     "--chunk-size", 8)
     assert out.stdout.startswith(PROMPT) and len(out.stdout) > len(PROMPT)
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
-    out = cli("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 8, "--chunk-size", 16, "--window", 1,
-              "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json")
+    out = run_script("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 8, "--chunk-size", 16,
+                     "--window", 1, "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json")
     r = json.loads(out.stdout)
-    assert r["ok"] and r["unchunked"]["greedy_ids_equal"] and r["unchunked"]["max_abs_logit_diff"] < 1e-4
+    assert r["ok"] and r["unchunked"]["greedy_ids_equal"]
+    assert r["unchunked"]["max_abs_logit_diff"] < 1e-4
     assert all(m["bit_identical"] for m in r["modes"].values())
-    assert r["modes"]["disk+zstd"]["bytes"]["disk_read"] > 0 and r["modes"]["cpu"]["chunks"]["host"] > 0
+    assert r["modes"]["disk+zstd"]["bytes"]["disk_read"] > 0
+    assert r["modes"]["cpu"]["chunks"]["host"] > 0
 
 
-def _one_line_error(p, *needles):
+# -----------------------------------------------------------------------------
+# verify.py's failure path: a store that flips one bit of one chunk on its way back from disk
+
+def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch, capsys):
+    C = 16
+    steps = []
+    flipped = []
+    real_forward = generate.forward
+    real_load = TieredStore.load
+
+    def forward(model, cache, tokens):  # counts steps and where each ended, apart from verify.py
+        logits = real_forward(model, cache, tokens)
+        steps.append(cache.length)
+        return logits
+
+    def load(self, layer, j):
+        kv = real_load(self, layer, j)  # the chunk [2, B, G, C, D]: K at 0, V at 1
+        if (layer, j) == (0, 1) and self.loc[(layer, j)] is DISK:
+            if not flipped:
+                flipped.append(len(steps))  # the step in flight
+            kv = kv.clone()
+            kv[1].view(torch.int32)[0, 0, 0, 0] ^= 1 << 31  # the sign bit of one value of V
+        return kv
+    monkeypatch.setattr(generate, "forward", forward)
+    monkeypatch.setattr(TieredStore, "load", load)
+    rc = verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", str(C),
+                      "--window", "1", "--max-new-tokens", "4", "--max-prompt-tokens", "60",
+                      "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and flipped, out
+    step = flipped[0] - len(steps) // 2  # steps counts both runs: --offload none first, then disk
+    phase = "prefill" if step < -(-60 // C) else "decode"
+    position = steps[flipped[0]] - 1
+    assert f"MISMATCH disk: step {step} ({phase}, position {position})" in out, out
+    assert "FAILED" in out, out
+
+
+# -----------------------------------------------------------------------------
+# what a user is told
+
+def test_offload_that_never_takes_effect_is_said_once(text_ckpt, tmp_path, capsys):
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--prompt", TEXT, "--offload", "disk",
+                                  "--offload-dir", tmp_path, "--chunk-size", 512,
+                                  "--max-new-tokens", 3, "--json"], capsys)
+    assert rc == 0
+    lines = [line for line in err.splitlines() if "nothing left the device" in line]
+    assert len(lines) == 1 and "--window" in lines[0] and "chunks" in lines[0], err
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--prompt", TEXT * 3, "--offload", "disk",
+                                  "--offload-dir", tmp_path, "--chunk-size", 8, "--window", 1,
+                                  "--max-new-tokens", 3, "--json"], capsys)
+    # a negative control: here chunks do leave
+    assert rc == 0 and "nothing left the device" not in err, err
+
+
+def test_max_new_tokens_cut_to_the_context_warns(text_ckpt, tmp_path, capsys):
+    short = tmp_path / "short"
+    shutil.copytree(text_ckpt, short)
+    edit_config(short, max_position_embeddings=96)  # the model's own context: 96 positions
+    rc, out, err = main_in_process(["--ckpt", short, "--prompt", TEXT, "--max-new-tokens", 500,
+                                    "--chunk-size", 8, "--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    cut = 96 - r["prompt_tokens"]
+    warnings = [line for line in err.splitlines()
+                if line.startswith("warning: --max-new-tokens 500 cut to")]
+    assert len(warnings) == 1, err
+    assert f"cut to {cut}" in warnings[0] and "model's context" in warnings[0], err
+    assert len(r["tokens"]) <= cut
+
+
+def test_default_offload_dir_is_in_help_and_not_left_behind(text_ckpt, tmp_path):
+    help_text = run_script("generate.py", "--help").stdout
+    assert "./kv_cache_offload" in help_text and "appended" in help_text
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt,
+                        "--prompt", TEXT * 2, "--offload", "disk", "--chunk-size", "8",
+                        "--window", "1", "--max-new-tokens", "2"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert not (tmp_path / "kv_cache_offload").exists(), os.listdir(tmp_path / "kv_cache_offload")
+
+
+# -----------------------------------------------------------------------------
+# bad input: one line, exit code 2
+
+def assert_one_line_error(p, *needles):
     assert p.returncode == 2, (p.returncode, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
@@ -82,27 +198,34 @@ def _one_line_error(p, *needles):
 def test_offload_dir_that_cannot_be_created(text_ckpt, tmp_path, script):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    p = cli(script, "--ckpt", text_ckpt, "--offload-dir", blocker / "sub", "--chunk-size", 8,
-            *(["--offload", "disk"] if script == "generate.py" else []), ok=False)
-    _one_line_error(p, "--offload-dir")
+    offload = ["--offload", "disk"] if script == "generate.py" else []
+    p = run_script(script, "--ckpt", text_ckpt, "--offload-dir", blocker / "sub", "--chunk-size", 8,
+                   *offload, ok=False)
+    assert_one_line_error(p, "--offload-dir")
 
 
 @pytest.mark.parametrize("script", ["generate.py", "verify.py"])
 @pytest.mark.parametrize("size", [0, -3])
 def test_chunk_size_must_be_positive(text_ckpt, script, size):
-    _one_line_error(cli(script, "--ckpt", text_ckpt, "--chunk-size", size, ok=False), "--chunk-size")
+    p = run_script(script, "--ckpt", text_ckpt, "--chunk-size", size, ok=False)
+    assert_one_line_error(p, "--chunk-size")
 
 
 def test_prompt_longer_than_model_maximum(text_ckpt, tmp_path):
     f = tmp_path / "long.txt"
     f.write_text(PROMPT * 200)  # well past max_position_embeddings=2048
-    _one_line_error(cli("generate.py", "--ckpt", text_ckpt, "--prompt-file", f, ok=False), "2048")
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--prompt-file", f, ok=False)
+    assert_one_line_error(p, "2048")
 
 
 def test_bad_checkpoint_and_files(tmp_path, text_ckpt):
-    _one_line_error(cli("generate.py", "--ckpt", tmp_path / "nowhere", ok=False), "--ckpt")
-    _one_line_error(cli("generate.py", "--ckpt", text_ckpt, "--prompt-file", tmp_path / "missing.txt", ok=False),
-                    "--prompt-file")
-    _one_line_error(cli("generate.py", "--ckpt", text_ckpt, "--compress", "zstd", "--offload", "cpu", ok=False),
-                    "--compress")
-    _one_line_error(cli("verify.py", "--ckpt", text_ckpt, "--modes", "cpu,tape", ok=False), "--modes")
+    p = run_script("generate.py", "--ckpt", tmp_path / "nowhere", ok=False)
+    assert_one_line_error(p, "--ckpt")
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--prompt-file", tmp_path / "missing.txt",
+                   ok=False)
+    assert_one_line_error(p, "--prompt-file")
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--compress", "zstd", "--offload", "cpu",
+                   ok=False)
+    assert_one_line_error(p, "--compress")
+    p = run_script("verify.py", "--ckpt", text_ckpt, "--modes", "cpu,tape", ok=False)
+    assert_one_line_error(p, "--modes")

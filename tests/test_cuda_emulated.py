@@ -1,8 +1,9 @@
 """
-The store's CUDA path (copy stream, events, pinned pools, staging slots, bounce buffers) run on CPU under the
-emulated CUDA of cuda_emu.py: logits bit-identical to --offload none, and no race, no wait on an event that is
-never recorded, no copy still queued when the store closes. tests/mutate_waits.py checks these tests fail when
-any stream-ordering line of offload.py or pools.py is removed.
+The store's CUDA path (copy stream, events, pinned pools, staging slots, bounce buffers) run on CPU
+under the emulated CUDA of cuda_emu.py: logits bit-identical to --offload none, and no race, no wait
+on an event that is never recorded, no copy still queued when the store closes.
+tests/mutate_waits.py checks these tests fail when any stream-ordering line of offload.py or
+pools.py is removed.
 """
 import errno
 import os
@@ -19,7 +20,10 @@ from model import Transformer
 from offload import OffloadConfig
 from task import run_task
 
-C, P, NEW = 7, 45, 12  # P + NEW - 1 = 56 positions: the last step seals a chunk, so copies are queued at close
+# P + NEW - 1 = 56 positions: the last step seals a chunk, so copies are queued at close
+C = 7     # chunk size
+P = 45    # prompt tokens
+NEW = 12  # new tokens
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,8 @@ def llama(checkpoint):
 
 @pytest.fixture(scope="module")
 def base(llama):
-    """--offload none, outside the emulation: the reference every emulated run must match bit for bit."""
+    """--offload none, outside the emulation: the reference every emulated run must match bit for
+    bit."""
     return run(llama, prompt(P, llama.args.vocab_size), NEW)
 
 
@@ -38,13 +43,17 @@ def prompt(n, vocab, seed=0):
 
 
 def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=None, **cfg):
-    """run_task with the model on CPU: only offload.on_cuda is patched, so task.py makes no CUDA stream of its own
-    and skips its per-step stream synchronize (a timing aid), which would order every copy before the next step and
-    hide the hazards that span steps (rule 5; copies left for close())."""
+    """run_task with the model on CPU: only offload.on_cuda is patched, so task.py makes no CUDA
+    stream of its own and skips its per-step stream synchronize (a timing aid), which would order
+    every copy before the next step and hide the hazards that span steps (rule 5; copies left for
+    close())."""
     steps = []
+
+    def on_step(phase, logits, cache):
+        steps.append((cache.length, logits.clone()))
     out, stats = run_task(model, ids, new, chunk_size=C, cfg=OffloadConfig(**cfg), task_id=task_id,
                           fingerprint=fingerprint, on_token=on_token, kv_store=kv_store,
-                          on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
+                          on_step=on_step)
     return out, steps, stats
 
 
@@ -61,12 +70,17 @@ def differences(base, other):
 
 
 def assert_good(emu, base, other, label):
-    """No problem found by the emulator, logits bit-identical to the reference, copies really deferred. Problems
-    first: a race names the buffer and the missing rule, a logits difference only says that something is wrong."""
-    problems, diff, stats = emu.problems(), differences(base, other), other[2]
-    assert not problems, f"{label}: {len(problems)} problems ({diff or 'logits identical'})\n" + "\n".join(problems[:8])
+    """No problem found by the emulator, logits bit-identical to the reference, copies really
+    deferred. Problems first: a race names the buffer and the missing rule, a logits difference only
+    says that something is wrong."""
+    problems = emu.problems()
+    diff = differences(base, other)
+    stats = other[2]
+    assert not problems, (f"{label}: {len(problems)} problems ({diff or 'logits identical'})\n"
+                          + "\n".join(problems[:8]))
     assert not diff, f"{label}: {diff}"
-    assert emu.stats["deferred"] > 0 and stats["bytes"]["h2d"] > 0 and stats["bytes"]["d2h"] > 0, (label, stats)
+    assert emu.stats["deferred"] > 0, (label, stats)
+    assert stats["bytes"]["h2d"] > 0 and stats["bytes"]["d2h"] > 0, (label, stats)
 
 
 # -----------------------------------------------------------------------------
@@ -83,13 +97,14 @@ def test_emulator_defers_copies_and_flags_a_missing_wait():
             ready = torch.cuda.Event()
             ready.record()
         assert dev.sum() == 0, "a copy on a side stream must not run before something orders it"
-        emu.compute_access(dev, False, "read without the wait")   # rule 2 skipped: a race
+        emu.compute_access(dev, False, "read without the wait")  # rule 2 skipped: a race
         assert any("rule 2" in r for r in emu.problems()), emu.problems()
         torch.cuda.current_stream().wait_event(ready)
         emu.compute_access(dev, False, "read after the wait")
         assert dev.sum() == 7 * 64 and len(emu.det.races) == 1
         first = torch.cuda.Event()
-        torch.cuda.current_stream().wait_event(first)  # a first use: allowed once the event is recorded later
+        # a first use: allowed once the event is recorded later
+        torch.cuda.current_stream().wait_event(first)
         first.record()
         assert not any("never recorded" in p for p in emu.problems())
         torch.cuda.current_stream().wait_event(torch.cuda.Event())  # never recorded: orders nothing
@@ -98,15 +113,19 @@ def test_emulator_defers_copies_and_flags_a_missing_wait():
         first = torch.cuda.Event()
         torch.cuda.current_stream().wait_event(first)
         first.record()
-        assert any("before its first record" in p for p in emu.problems()), "strict: a first wait is reported"
-    assert not torch.cuda.is_available() or torch.version.cuda, "the emulation must be uninstalled on exit"
+        assert any("before its first record" in p for p in emu.problems()), (
+            "strict: a first wait is reported")
+    assert not torch.cuda.is_available() or torch.version.cuda, (
+        "the emulation must be uninstalled on exit")
 
 
 def test_emulator_pinning_and_pageable_copies():
-    """Pinned = allocated with pin_memory, copied by pin_memory(), or registered with cudaHostRegister; an
-    asynchronous copy with no pinned side is reported (on CUDA it would be synchronous)."""
+    """Pinned = allocated with pin_memory, copied by pin_memory(), or registered with
+    cudaHostRegister; an asynchronous copy with no pinned side is reported (on CUDA it would be
+    synchronous)."""
     with cuda_emu.emulate() as emu:
-        plain, dev = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+        plain = torch.zeros(4096, dtype=torch.uint8)
+        dev = torch.zeros(4096, dtype=torch.uint8)
         assert not plain.is_pinned() and plain.pin_memory().is_pinned()
         with torch.cuda.stream(torch.cuda.Stream()):
             dev.copy_(plain, non_blocking=True)
@@ -122,26 +141,35 @@ def test_emulator_pinning_and_pageable_copies():
 # the store's CUDA path against --offload none
 
 CASES = [  # mode, compress, window, staging slots
-    ("cpu", "none", 0, 1), ("cpu", "none", 2, 3), ("disk", "none", 1, 2), ("disk", "zstd", 0, 3), ("disk", "zstd", 2, 1),
+    ("cpu", "none", 0, 1),
+    ("cpu", "none", 2, 3),
+    ("disk", "none", 1, 2),
+    ("disk", "zstd", 0, 3),
+    ("disk", "zstd", 2, 1),
 ]
 
 
 @pytest.mark.parametrize("mode,compress,window,slots", CASES)
-def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, compress, window, slots):
+def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, compress, window,
+                                               slots):
     label = f"{mode}+{compress} window {window} slots {slots}"
     with cuda_emu.emulate(strict_waits=True) as emu:
-        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode=mode, compress=compress, window=window,
-                    staging_slots=slots, offload_dir=str(tmp_path))
+        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode=mode, compress=compress,
+                    window=window, staging_slots=slots, offload_dir=str(tmp_path))
     assert_good(emu, base, other, label)
-    assert other[2]["chunks"]["host" if mode == "cpu" else "disk"] > 0, (label, other[2])
+    tier = "host" if mode == "cpu" else "disk"
+    assert other[2]["chunks"][tier] > 0, (label, other[2])
 
 
 def test_host_budget_spills_to_disk(llama, base, tmp_path):
-    """--offload disk with a small --cpu-budget: the host pool (pinned) takes the first evicted chunks, disk the rest."""
-    slot_bytes = 4096  # one chunk here: 2 x 2 kv heads x 7 positions x 16 dims x 4 bytes, padded to a page
+    """--offload disk with a small --cpu-budget: the host pool (pinned) takes the first evicted
+    chunks, disk the rest."""
+    # one chunk here: 2 x 2 kv heads x 7 positions x 16 dims x 4 bytes, padded to a page
+    slot_bytes = 4096
     with cuda_emu.emulate(strict_waits=True) as emu:
-        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=1, staging_slots=2,
-                    cpu_budget_gib=3 * slot_bytes / 2**30, offload_dir=str(tmp_path))
+        other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=1,
+                    staging_slots=2, cpu_budget_gib=3 * slot_bytes / 2**30,
+                    offload_dir=str(tmp_path))
     assert_good(emu, base, other, "spill")
     assert other[2]["chunks"]["host"] == 3 and other[2]["chunks"]["disk"] > 0, other[2]
 
@@ -157,10 +185,12 @@ def crash_at_6(out):
 
 @pytest.mark.parametrize("compress", ["none", "zstd"])
 def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress):
-    """A task killed mid-decode keeps its directory (manifest + chunks); the rerun restores the chunks the manifest
-    vouches for, through the read bounces and staging slots, and must still match --offload none."""
-    ids, cfg = prompt(P, llama.args.vocab_size), dict(mode="disk", compress=compress, window=1, staging_slots=2,
-                                                      offload_dir=str(tmp_path), keep_files=True)
+    """A task killed mid-decode keeps its directory (manifest + chunks); the rerun restores the
+    chunks the manifest vouches for, through the read bounces and staging slots, and must still
+    match --offload none."""
+    ids = prompt(P, llama.args.vocab_size)
+    cfg = dict(mode="disk", compress=compress, window=1, staging_slots=2, offload_dir=str(tmp_path),
+               keep_files=True)
     with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(Crash):
             run(llama, ids, NEW, task_id="t", fingerprint="model-a", on_token=crash_at_6, **cfg)
@@ -172,15 +202,17 @@ def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress)
 
 
 def test_prompt_chunks_read_back_for_the_kv_store(llama, base, tmp_path):
-    """The persistent KV store keeps each prompt chunk through read_back, right after its seal: with window 0 the
-    chunk is already in the host pool, its eviction maybe still queued (rule 4). A second run, on the disk tier,
-    adopts the stored chunks: it seals them one after another with no step between, so each seal waits for write
-    bounces that only the writer's hand-back (the bounce queue) orders. Both must match --offload none."""
-    ids, kv = prompt(P, llama.args.vocab_size), KVStore(str(tmp_path / "store"))
+    """The persistent KV store keeps each prompt chunk through read_back, right after its seal: with
+    window 0 the chunk is already in the host pool, its eviction maybe still queued (rule 4). A
+    second run, on the disk tier, adopts the stored chunks: it seals them one after another with no
+    step between, so each seal waits for write bounces that only the writer's hand-back (the bounce
+    queue) orders. Both must match --offload none."""
+    ids = prompt(P, llama.args.vocab_size)
+    kv = KVStore(str(tmp_path / "store"))
     for mode in ("cpu", "disk"):
         with cuda_emu.emulate(strict_waits=True) as emu:
-            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode=mode, window=0, staging_slots=2,
-                        offload_dir=str(tmp_path))
+            other = run(llama, ids, NEW, fingerprint="model-a", kv_store=kv, mode=mode, window=0,
+                        staging_slots=2, offload_dir=str(tmp_path))
         assert_good(emu, base, other, f"kv store, {mode}")
     assert other[2]["reused_tokens"] == (P - 1) // C * C, other[2]
 
@@ -191,14 +223,15 @@ def test_two_concurrent_tasks(llama, base, tmp_path):
 
     def task(name, **cfg):
         try:
-            results[name] = run(llama, prompt(P, llama.args.vocab_size), NEW, task_id=name, offload_dir=str(tmp_path),
-                                **cfg)
+            results[name] = run(llama, prompt(P, llama.args.vocab_size), NEW, task_id=name,
+                                offload_dir=str(tmp_path), **cfg)
         except BaseException as e:  # noqa: BLE001 (reported by the main thread)
             results[name] = e
+    cfg_a = dict(mode="cpu", window=0, staging_slots=1)
+    cfg_b = dict(mode="disk", compress="zstd", window=1, staging_slots=2)
     with cuda_emu.emulate(strict_waits=True) as emu:
-        threads = [threading.Thread(target=task, args=("a",), kwargs=dict(mode="cpu", window=0, staging_slots=1)),
-                   threading.Thread(target=task, args=("b",), kwargs=dict(mode="disk", compress="zstd", window=1,
-                                                                          staging_slots=2))]
+        threads = [threading.Thread(target=task, args=("a",), kwargs=cfg_a),
+                   threading.Thread(target=task, args=("b",), kwargs=cfg_b)]
         for t in threads:
             t.start()
         for t in threads:
@@ -210,8 +243,10 @@ def test_two_concurrent_tasks(llama, base, tmp_path):
 
 
 def test_full_disk_on_the_cuda_path_with_zstd_raises_disk_error(llama, tmp_path, monkeypatch):
-    """ENOSPC from the 4th blob written on: the task must fail with DiskError (a fallback can act on its errno)."""
-    pwrite, calls = os.pwrite, []
+    """ENOSPC from the 4th blob written on: the task must fail with DiskError (a fallback can act on
+    its errno)."""
+    pwrite = os.pwrite
+    calls = []
 
     def full(fd, data, offset):
         calls.append(1)
@@ -221,25 +256,28 @@ def test_full_disk_on_the_cuda_path_with_zstd_raises_disk_error(llama, tmp_path,
     monkeypatch.setattr(os, "pwrite", full)
     with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(DiskError) as e:
-            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", compress="zstd", window=0, staging_slots=2,
-                offload_dir=str(tmp_path))
+            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", compress="zstd",
+                window=0, staging_slots=2, offload_dir=str(tmp_path))
     assert e.value.errno == errno.ENOSPC
     assert not emu.problems(), emu.problems()
 
 
 def test_a_step_that_fails_half_way_leaves_no_copy_behind(llama, tmp_path, monkeypatch):
-    """A disk read fails in the middle of a step: the task raises DiskError while the copies of later chunks are
-    already issued on the copy stream; close() must let them land before it frees the slots and unpins the bounces."""
+    """A disk read fails in the middle of a step: the task raises DiskError while the copies of
+    later chunks are already issued on the copy stream; close() must let them land before it frees
+    the slots and unpins the bounces."""
     read_into = disk.DiskTier.read_into
 
     def failing(tier, layer, j, dst):
         if (layer, j) == (0, 2):
             raise DiskError(errno.EIO, "injected read error")
         return read_into(tier, layer, j, dst)
-    monkeypatch.setattr(disk.DiskTier, "read_into", failing)  # before emulate(), which wraps it and restores it
+    # before emulate(), which wraps it and restores it
+    monkeypatch.setattr(disk.DiskTier, "read_into", failing)
     with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(DiskError):
-            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=0, staging_slots=3,
-                offload_dir=str(tmp_path))
+            run(llama, prompt(P, llama.args.vocab_size), NEW, mode="disk", window=0,
+                staging_slots=3, offload_dir=str(tmp_path))
     assert not emu.problems(), emu.problems()
-    assert emu.stats["queued_at_close"]["copy"] > 0, "no copy left in flight: the test no longer covers close()"
+    assert emu.stats["queued_at_close"]["copy"] > 0, (
+        "no copy left in flight: the test no longer covers close()")

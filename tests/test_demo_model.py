@@ -1,12 +1,13 @@
 """
-The embedded demo model, assets/tinyllama-pydoc, judged against transformers: it loads there, its logits agree
-with ours, and our plain greedy decoding reproduces the golden ids that transformers' generate produced
-(tools/make_golden.py).
+The embedded demo model, assets/tinyllama-pydoc, judged against transformers: it loads there, its
+logits agree with ours, and our plain greedy decoding reproduces the golden ids that transformers'
+generate produced (tools/make_golden.py).
 """
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory; the Hub is never needed
+# the model is a local directory; the Hub is never needed
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -36,12 +37,14 @@ def test_fits_in_the_repository():
 
 
 def test_gqa(ours):
-    assert ours.args.n_kv_heads < ours.args.n_heads  # the offload code must see grouped-query attention
+    # the offload code must see grouped-query attention
+    assert ours.args.n_kv_heads < ours.args.n_heads
 
 
 def test_tokenizer_round_trips(tok):
     assert tok.encode(GOLDEN["prompt"]) == GOLDEN["prompt_ids"]
-    text = "def f(x):\n\treturn x  # naïve — 東京 🐍\n\n  two  spaces"  # tabs, runs of spaces, bytes not in the vocab
+    # tabs, runs of spaces, bytes not in the vocab
+    text = "def f(x):\n\treturn x  # naïve — 東京 🐍\n\n  two  spaces"
     assert tok.decode(tok.encode(text)[1:]) == text
 
 
@@ -59,35 +62,43 @@ def test_greedy_matches_golden(ours, tok):
     ids = list(GOLDEN["prompt_ids"])
     with torch.no_grad():
         for _ in range(len(GOLDEN["new_ids"])):
-            nxt = int(ours(torch.tensor([ids]))[0, -1].argmax())  # full recompute: the plain reference path
+            # full recompute: the plain reference path
+            nxt = int(ours(torch.tensor([ids]))[0, -1].argmax())
             ids.append(nxt)
             if nxt in tok.eos_ids:  # transformers' generate stops at EOS too
                 break
     assert ids[len(GOLDEN["prompt_ids"]):] == GOLDEN["new_ids"]
 
 
-@pytest.mark.parametrize("mode,compress", [("none", "none"), ("cpu", "none"), ("disk", "none"), ("disk", "zstd")])
+@pytest.mark.parametrize("mode,compress",
+                         [("none", "none"), ("cpu", "none"), ("disk", "none"), ("disk", "zstd")])
 def test_offloaded_generation_matches_golden(ours, tok, tmp_path, mode, compress):
-    """The whole cached, chunked, offloaded path (chunk 8, window 1: most chunks leave the device) reproduces
-    transformers' greedy ids: any change to the forward pass or the cache that alters output is caught."""
+    """The whole cached, chunked, offloaded path (chunk 8, window 1: most chunks leave the device)
+    reproduces transformers' greedy ids: any change to the forward pass or the cache that alters
+    output is caught."""
     from offload import OffloadConfig
     from task import run_task
     cfg = OffloadConfig(mode=mode, window=1, compress=compress, offload_dir=str(tmp_path))
-    new, stats = run_task(ours, GOLDEN["prompt_ids"], len(GOLDEN["new_ids"]), chunk_size=8, cfg=cfg, eos_ids=tok.eos_ids)
+    new, stats = run_task(ours, GOLDEN["prompt_ids"], len(GOLDEN["new_ids"]), chunk_size=8,
+                          cfg=cfg, eos_ids=tok.eos_ids)
     assert new == GOLDEN["new_ids"]
     if mode == "disk":
-        assert stats["chunks"]["disk"] > 0 and stats["bytes"]["disk_read"] + stats["bytes"]["disk_mapped_read"] > 0
+        assert stats["chunks"]["disk"] > 0
+        assert stats["bytes"]["disk_read"] + stats["bytes"]["disk_mapped_read"] > 0
 
 
 def test_demo_command_runs_offloaded(tmp_path):
-    """`python generate.py` alone: the shipped model, the disk tier in use, text and a statistics line."""
+    """`python generate.py` alone: the shipped model, the disk tier in use, text and a statistics
+    line."""
     import subprocess
     import sys
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--offload-dir", str(tmp_path)],
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"),
+                        "--offload-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     from cli import DEMO_PROMPT
-    assert p.stdout.startswith(DEMO_PROMPT) and len(p.stdout.split()) > len(DEMO_PROMPT.split()) + 20
+    assert p.stdout.startswith(DEMO_PROMPT)
+    assert len(p.stdout.split()) > len(DEMO_PROMPT.split()) + 20
     stats = p.stderr.strip().splitlines()[-1]
     assert "tok/s" in stats and "chunks device/host/disk" in stats
     disk_chunks = int(stats.split("chunks device/host/disk ")[1].split()[0].split("/")[2])

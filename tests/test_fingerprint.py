@@ -1,7 +1,8 @@
 """
-Resume trusts only KV made by the same weights and settings (issue 11): two checkpoints of identical shapes, file
-sizes and headers, differing in one tensor's values; a run of A interrupted mid-decode, then a run of B over its
-directory. And the digest cache that spares later runs from hashing the weights again.
+Resume trusts only KV made by the same weights and settings (issue 11): two checkpoints of identical
+shapes, file sizes and headers, differing in one tensor's values; a run of A interrupted mid-decode,
+then a run of B over its directory. And the digest cache that spares later runs from hashing the
+weights again.
 """
 import json
 import os
@@ -17,14 +18,17 @@ from offload import OffloadConfig
 from task import run_task
 from taskdir import model_fingerprint, run_fingerprint, safe_task_name
 
-C, NEW = 16, 40
+C = 16    # chunk size
+NEW = 40  # new tokens
 
 
 @pytest.fixture(scope="module")
 def twins(checkpoint, tmp_path_factory):
-    """(dir A, dir B): B is A with layer 0's v_proj scaled by 1.5, saved with the same names, shapes and order."""
+    """(dir A, dir B): B is A with layer 0's v_proj scaled by 1.5, saved with the same names, shapes
+    and order."""
     root = tmp_path_factory.mktemp("twins")
-    a, b = root / "a", root / "b"
+    a = root / "a"
+    b = root / "b"
     shutil.copytree(checkpoint(), a)
     shutil.copytree(checkpoint(), b)
     tensors = load_file(b / "model.safetensors")
@@ -40,10 +44,12 @@ def header(path):
 
 
 def test_twins_differ_only_in_weight_values(twins):
-    """The premise: what the old fingerprint hashed (config, headers, sizes) is equal; the new one differs."""
+    """The premise: what the old fingerprint hashed (config, headers, sizes) is equal; the new one
+    differs."""
     a, b = (os.path.join(d, "model.safetensors") for d in twins)
     assert header(a) == header(b) and os.path.getsize(a) == os.path.getsize(b)
-    assert open(a, "rb").read() != open(b, "rb").read()
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        assert fa.read() != fb.read()
     assert model_fingerprint(twins[0]) != model_fingerprint(twins[1])
     assert model_fingerprint(twins[0]) == model_fingerprint(twins[0])
 
@@ -59,9 +65,11 @@ def run_disk(model, ids, offload_dir, fingerprint, on_token=None):
 def test_rerun_with_other_weights_never_resumes_from_their_chunks(twins, tmp_path):
     model_a, model_b = (Transformer.from_pretrained(d) for d in twins)
     fp_a, fp_b = (run_fingerprint(model_fingerprint(d), dtype="fp32") for d in twins)
-    ids = torch.randint(3, model_a.args.vocab_size, (100,), generator=torch.Generator().manual_seed(0)).tolist()
-    ref_b = run_task(model_b, ids, NEW, chunk_size=C, cfg=OffloadConfig())[0]  # B uninterrupted, no disk tier
-    assert run_task(model_a, ids, NEW, chunk_size=C, cfg=OffloadConfig())[0] != ref_b, "the twins must disagree"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model_a.args.vocab_size, (100,), generator=generator).tolist()
+    ref_b, _ = run_task(model_b, ids, NEW, chunk_size=C, cfg=OffloadConfig())  # B, no disk tier
+    ref_a, _ = run_task(model_a, ids, NEW, chunk_size=C, cfg=OffloadConfig())
+    assert ref_a != ref_b, "the twins must disagree"
 
     class Crash(Exception):
         pass
@@ -80,7 +88,8 @@ def test_rerun_with_other_weights_never_resumes_from_their_chunks(twins, tmp_pat
     assert len(log) == 1 and "another fingerprint" in log[0] and "not used" in log[0], log
     assert new == ref_b
 
-    # the control: had B been given A's fingerprint (as header-only hashing did), it would resume and go wrong
+    # the control: had B been given A's fingerprint (as header-only hashing did), it would resume
+    # and go wrong
     new, stats, _ = run_disk(model_b, ids, tmp_path / "control", fp_a)
     assert stats["resumed_from"] > 0 and new != ref_b
 
@@ -88,7 +97,8 @@ def test_rerun_with_other_weights_never_resumes_from_their_chunks(twins, tmp_pat
 def test_run_fingerprint_chains_the_settings():
     fp = run_fingerprint("m", dtype="fp32")
     assert fp != run_fingerprint("m", dtype="bf16") and fp != run_fingerprint("n", dtype="fp32")
-    assert fp == run_fingerprint("m", dtype="fp32", quantize=None)  # an unused option leaves it unchanged
+    # an unused option leaves it unchanged
+    assert fp == run_fingerprint("m", dtype="fp32", quantize=None)
     assert fp != run_fingerprint("m", dtype="fp32", quantize="int8")
 
 
@@ -98,7 +108,11 @@ def test_digest_cache_hashes_each_file_once(checkpoint, tmp_path, monkeypatch):
     shutil.copytree(checkpoint(), ckpt)
     hashed = []
     real = taskdir.file_sha256
-    monkeypatch.setattr(taskdir, "file_sha256", lambda p: hashed.append(p) or real(p))
+
+    def counted(path):
+        hashed.append(path)
+        return real(path)
+    monkeypatch.setattr(taskdir, "file_sha256", counted)
     first = model_fingerprint(ckpt)
     assert first == model_fingerprint(ckpt) and len(hashed) == 1  # the second run read the cache
     cache_file = tmp_path / "cache" / "kvoffload" / "digests.json"
@@ -107,7 +121,7 @@ def test_digest_cache_hashes_each_file_once(checkpoint, tmp_path, monkeypatch):
 
     weights = ckpt / "model.safetensors"
     data = bytearray(weights.read_bytes())
-    data[-1] ^= 1                        # the same size, and the old mtime put back: ctime still tells
+    data[-1] ^= 1  # the same size, and the old mtime put back: ctime still tells
     st = os.stat(weights)
     weights.write_bytes(bytes(data))
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
@@ -115,10 +129,14 @@ def test_digest_cache_hashes_each_file_once(checkpoint, tmp_path, monkeypatch):
 
 
 def test_unwritable_digest_cache_is_no_error(checkpoint, tmp_path, monkeypatch):
+    """A cache that cannot be written or read costs a hash, never a wrong fingerprint."""
+    want = model_fingerprint(checkpoint())  # through the session's working cache
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
-    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
+    assert model_fingerprint(checkpoint()) == want
+    assert model_fingerprint(checkpoint()) == want
     (tmp_path / "cache" / "kvoffload").mkdir(parents=True)
     (tmp_path / "cache" / "kvoffload" / "digests.json").write_text("{not json")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert model_fingerprint(checkpoint()) == model_fingerprint(checkpoint())
+    assert model_fingerprint(checkpoint()) == want
+    assert model_fingerprint(checkpoint()) == want

@@ -1,9 +1,11 @@
 """
-The persistent KV store: keys that change with any earlier token or setting, entries that round-trip bit for bit,
-never a torn or corrupt entry served (several processes at once), LRU eviction, permissions, the command line,
-and the premise of it all: a prefix adopted from the store gives the same logits as recomputing it.
+The persistent KV store: keys that change with any earlier token or setting, entries that
+round-trip bit for bit, never a torn or corrupt entry served (several processes at once), LRU
+eviction, permissions, the command line, and the premise of it all: a prefix adopted from the store
+gives the same logits as recomputing it.
 """
 import errno
+import json
 import multiprocessing
 import os
 import shutil
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import cli
 import kvstore
 from disk import ALIGN
 from kvstore import HEADER, KVStore, StoreError, chunk_keys
@@ -42,19 +45,24 @@ def keys(n=4, fp="model=a"):
 # keys
 
 def test_chunk_keys_chain_every_earlier_token_and_the_run_fingerprint():
-    C, ids = 8, list(range(100, 140))                     # 5 full chunks
+    C = 8
+    ids = list(range(100, 140))  # 5 full chunks
     base = chunk_keys("fp", ids, C)
     assert len(base) == 5 and len(set(base)) == 5 and all(len(k) == 64 for k in base)
     assert chunk_keys("fp", ids + [7, 7, 7], C) == base  # a partial last chunk has no key
     assert chunk_keys("fp", torch.tensor(ids), C) == base
-    for p in (0, 7, 8, 21, 39):                           # one token changed: that chunk's key and all after it differ
+    # one token changed: that chunk's key and all after it differ
+    for p in (0, 7, 8, 21, 39):
         other = chunk_keys("fp", ids[:p] + [ids[p] + 1] + ids[p + 1:], C)
         j = p // C
-        assert other[:j] == base[:j] and all(a != b for a, b in zip(other[j:], base[j:])), p
-    for fp, c in (("fp2", C), ("fp", 4), ("fp", 10)):     # another model, dtype or chunk size never matches
+        assert other[:j] == base[:j], p
+        assert all(a != b for a, b in zip(other[j:], base[j:])), p
+    # another model, dtype or chunk size never matches
+    for fp, c in (("fp2", C), ("fp", 4), ("fp", 10)):
         assert not set(chunk_keys(fp, ids, c)) & set(base), (fp, c)
-    fp = run_fingerprint("m", dtype="bf16", chunk_size=8)     # the run fingerprint task.py chains the keys from
-    assert fp == run_fingerprint("m", chunk_size=8, dtype="bf16")  # the order of the fields does not matter
+    # the run fingerprint task.py chains the keys from; the order of the fields does not matter
+    fp = run_fingerprint("m", dtype="bf16", chunk_size=8)
+    assert fp == run_fingerprint("m", chunk_size=8, dtype="bf16")
     assert fp != run_fingerprint("m", dtype="fp16", chunk_size=8)
 
 
@@ -68,33 +76,45 @@ def test_round_trip(tmp_path, compress, dtype):
     k = keys()
     kv = chunks(dtype=dtype)
     n = store.write(k[0], kv)
-    assert n == os.path.getsize(store.path(k[0])) and store.write(k[0], kv) == 0  # present: not written twice
+    assert n == os.path.getsize(store.path(k[0]))
+    assert store.write(k[0], kv) == 0  # present: not written twice
     out = [torch.full_like(t, float("nan")) for t in kv]
     assert store.read(k[0], out) == n
     assert all(torch.equal(a, b) for a, b in zip(out, kv))
-    as_np = [np.zeros(SHAPE, np.uint16 if dtype == torch.bfloat16 else np.float32) for _ in kv]  # bytes are bytes
+    # bytes are bytes: numpy buffers of the same width read them as well
+    np_dtype = np.uint16 if dtype == torch.bfloat16 else np.float32
+    as_np = [np.zeros(SHAPE, np_dtype) for _ in kv]
     assert store.read(k[0], as_np) == n
-    assert all(np.array_equal(a.view(np.uint8), t.view(torch.uint8).numpy()) for a, t in zip(as_np, kv))
-    if compress == "none":  # each layer starts on a page (every layer here fits in one): mappable in place
-        data = open(store.path(k[0]), "rb").read()
-        assert all(data[ALIGN * (l + 1):][:t.nbytes] == t.view(torch.uint8).numpy().tobytes() for l, t in enumerate(kv))
+    assert all(np.array_equal(a.view(np.uint8), t.view(torch.uint8).numpy())
+               for a, t in zip(as_np, kv))
+    # each layer starts on a page (every layer here fits in one): mappable in place
+    if compress == "none":
+        with open(store.path(k[0]), "rb") as f:
+            data = f.read()
+        assert all(data[ALIGN * (layer + 1):][:t.nbytes] == t.view(torch.uint8).numpy().tobytes()
+                   for layer, t in enumerate(kv))
     assert store.read(k[1], out) == 0 and store.lookup(k) == 1
-    assert store.stats == {"bytes_read": 2 * n, "bytes_written": n, "reused": 2, "stored": 1, "misses": 1,
-                           "rejected": 0, "evicted": 0, "write_failures": 0}
+    assert store.stats == {"bytes_read": 2 * n, "bytes_written": n, "reused": 2, "stored": 1,
+                           "misses": 1, "rejected": 0, "evicted": 0, "write_failures": 0}
     with pytest.raises(ValueError):
-        store.read(k[0], [t.transpose(2, 3) for t in out])  # a copy would swallow the bytes: refused
+        # a copy would swallow the bytes: refused
+        store.read(k[0], [t.transpose(2, 3) for t in out])
 
 
 def test_zstd_entries_are_smaller_and_readable_by_any_store(tmp_path):
-    kv, k = chunks(dtype=torch.bfloat16), keys()
-    raw, packed = KVStore(tmp_path / "s"), KVStore(tmp_path / "s", compress="zstd")
+    kv = chunks(dtype=torch.bfloat16)
+    k = keys()
+    raw = KVStore(tmp_path / "s")
+    packed = KVStore(tmp_path / "s", compress="zstd")
     assert packed.write(k[1], kv) < raw.write(k[0], kv)  # bf16 byte planes compress
     out = [torch.empty_like(t) for t in kv]
-    assert raw.read(k[1], out) and all(torch.equal(a, b) for a, b in zip(out, kv))  # the header says how to decode
+    # the header says how to decode
+    assert raw.read(k[1], out) and all(torch.equal(a, b) for a, b in zip(out, kv))
 
 
 def test_lookup_is_the_longest_stored_prefix(tmp_path):
-    store, k = KVStore(tmp_path / "s"), keys(5)
+    store = KVStore(tmp_path / "s")
+    k = keys(5)
     for j in (0, 1, 3):
         store.write(k[j], chunks(seed=j))
     assert store.lookup(k) == 2 and store.lookup(k[3:]) == 1 and store.lookup([]) == 0
@@ -108,7 +128,9 @@ CORRUPTIONS = {"header": HEADER.size - 3, "table": HEADER.size + 2, "payload": -
 @pytest.mark.parametrize("compress", ["none", "zstd"])
 @pytest.mark.parametrize("damage", [*CORRUPTIONS, "truncated", "other buffers"])
 def test_damaged_entry_is_a_miss_and_is_removed(tmp_path, compress, damage):
-    store, k, kv = KVStore(tmp_path / "s", compress=compress), keys(), chunks()
+    store = KVStore(tmp_path / "s", compress=compress)
+    k = keys()
+    kv = chunks()
     store.write(k[0], kv)
     path = store.path(k[0])
     out = [torch.empty_like(t) for t in kv]
@@ -117,41 +139,51 @@ def test_damaged_entry_is_a_miss_and_is_removed(tmp_path, compress, damage):
     elif damage == "other buffers":  # same key, other shape: a fingerprint that misses a setting
         out = out[:2]
     else:
+        offset = CORRUPTIONS[damage]
         with open(path, "r+b") as f:
-            f.seek(CORRUPTIONS[damage], os.SEEK_END if CORRUPTIONS[damage] < 0 else os.SEEK_SET)
+            f.seek(offset, os.SEEK_END if offset < 0 else os.SEEK_SET)
             b = f.read(1)
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 0x10]))
     assert store.read(k[0], out) == 0
-    assert not os.path.exists(path) and store.stats["rejected"] == 1 and k[0][:8] in store.last_rejection
+    assert not os.path.exists(path) and store.stats["rejected"] == 1
+    assert k[0][:8] in store.last_rejection
     store.write(k[0], kv)  # recomputed and stored again: reads back exactly
     out = [torch.empty_like(t) for t in kv]
     assert store.read(k[0], out) and all(torch.equal(a, b) for a, b in zip(out, kv))
 
 
 def test_full_disk_skips_the_entry_and_leaves_no_temporary_file(tmp_path, monkeypatch):
-    store, k = KVStore(tmp_path / "s"), keys()
+    store = KVStore(tmp_path / "s")
+    k = keys()
 
     def disk_full(fd, data):
         os.write(fd, b"half an entry")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(kvstore, "write_all", disk_full)
-    assert store.write(k[0], chunks()) == 0 and store.stats["write_failures"] == 1  # the run goes on without it
+    # the run goes on without it
+    assert store.write(k[0], chunks()) == 0 and store.stats["write_failures"] == 1
     assert os.listdir(tmp_path / "s") == []
-    monkeypatch.setattr(kvstore, "write_all", lambda fd, data: os.close(-1))  # EBADF: a bug, not a full disk
+
+    def bad_descriptor(fd, data):  # EBADF: a bug, not a full disk
+        os.close(-1)
+    monkeypatch.setattr(kvstore, "write_all", bad_descriptor)
     with pytest.raises(OSError):
         store.write(k[0], chunks())
     assert os.listdir(tmp_path / "s") == []
 
 
 def test_rejected_entry_replaced_meanwhile_is_kept(tmp_path):
-    """A reader that found a bad entry must not delete the good one a writer renamed over it since."""
-    store, k, kv = KVStore(tmp_path / "s"), keys(), chunks()
+    """A reader that found a bad entry must not delete the good one a writer renamed over it
+    since."""
+    store = KVStore(tmp_path / "s")
+    k = keys()
+    kv = chunks()
     store.write(k[0], kv)
     fd = os.open(store.path(k[0]), os.O_RDONLY)  # the reader's file
     try:
         os.unlink(store.path(k[0]))
-        store.write(k[0], kv)                     # a writer's fresh entry under the same name
+        store.write(k[0], kv)  # a writer's fresh entry under the same name
         store._discard(store.path(k[0]), fd)
     finally:
         os.close(fd)
@@ -161,23 +193,32 @@ def test_rejected_entry_replaced_meanwhile_is_kept(tmp_path):
 # -----------------------------------------------------------------------------
 # several processes at once
 
+ENTRY_SHAPE = (2, 1, 4, 128, 64)  # one chunk [2, B, G, C, D] of the processes' entries
+
+
 def payload(i):
-    return [np.random.default_rng(i * 10 + l).standard_normal((2, 1, 4, 128, 64)).astype(np.float16) for l in range(2)]
+    """Entry i: two layers of fp16 chunks."""
+    return [np.random.default_rng(i * 10 + layer).standard_normal(ENTRY_SHAPE).astype(np.float16)
+            for layer in range(2)]
 
 
 def hammer(root, compress, worker, rounds, out):
-    """Write, read back and evict the same keys as the other workers; report anything but a miss or exact bytes."""
-    store, bad, hits = KVStore(root, compress=compress), 0, 0
+    """Write, read back and evict the same keys as the other workers; report anything but a miss or
+    exact bytes."""
+    store = KVStore(root, compress=compress)
+    bad = 0
+    hits = 0
     ks = chunk_keys("shared", list(range(3 * 4)), 4)
     for r in range(rounds):
         for i, key in enumerate(ks):
             store.write(key, payload(i))
-            got = [np.empty((2, 1, 4, 128, 64), np.float16) for _ in range(2)]
+            got = [np.empty(ENTRY_SHAPE, np.float16) for _ in range(2)]
             if store.read(key, got):
                 hits += 1
                 bad += not all(np.array_equal(a, b) for a, b in zip(got, payload(i)))
         if r % 2 == worker % 2:
-            store.evict_to_budget(0)  # everything goes: rewrites race with reads and with other evictions
+            # everything goes: rewrites race with reads and with other evictions
+            store.evict_to_budget(0)
     out.put((bad, hits, dict(store.stats)))
 
 
@@ -186,7 +227,8 @@ def test_concurrent_writers_and_readers_never_see_a_torn_entry(tmp_path):
     KVStore(root)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=hammer, args=(root, ("none", "zstd")[w % 2], w, 12, out)) for w in range(4)]
+    procs = [ctx.Process(target=hammer, args=(root, ("none", "zstd")[w % 2], w, 12, out))
+             for w in range(4)]
     for p in procs:
         p.start()
     results = [out.get(timeout=240) for _ in procs]
@@ -194,21 +236,29 @@ def test_concurrent_writers_and_readers_never_see_a_torn_entry(tmp_path):
         p.join(timeout=60)
         assert p.exitcode == 0
     assert sum(bad for bad, _, _ in results) == 0, results
-    assert all(st["rejected"] == 0 for _, _, st in results), results  # a torn entry would fail its checksum
-    assert all(hits > 0 for _, hits, _ in results) and sum(st["stored"] for _, _, st in results) > 3, results
+    # a torn entry would fail its checksum
+    assert all(st["rejected"] == 0 for _, _, st in results), results
+    assert all(hits > 0 for _, hits, _ in results), results
+    assert sum(st["stored"] for _, _, st in results) > 3, results
     store = KVStore(root)
-    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]  # no writer left a temporary file behind
+    # no writer left a temporary file behind
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
     for i, key in enumerate(chunk_keys("shared", list(range(12)), 4)):
-        got = [np.empty((2, 1, 4, 128, 64), np.float16) for _ in range(2)]
-        assert store.read(key, got) == 0 or all(np.array_equal(a, b) for a, b in zip(got, payload(i)))
+        got = [np.empty(ENTRY_SHAPE, np.float16) for _ in range(2)]
+        assert (store.read(key, got) == 0
+                or all(np.array_equal(a, b) for a, b in zip(got, payload(i))))
     assert store.stats["rejected"] == 0
 
 
 def test_claims_let_a_task_wait_for_a_chunk_another_computes(tmp_path):
-    store, k, kv = KVStore(tmp_path / "s"), keys(), chunks()
-    assert store.claim(k[0]) and not store.claim(k[0])   # the second task learns someone computes chunk 0
+    store = KVStore(tmp_path / "s")
+    k = keys()
+    kv = chunks()
+    # the second task learns someone computes chunk 0
+    assert store.claim(k[0]) and not store.claim(k[0])
     t = time.monotonic()
-    assert not store.wait_for(k[0], timeout_s=0.3) and time.monotonic() - t >= 0.3  # waited, then gave up
+    # waited, then gave up
+    assert not store.wait_for(k[0], timeout_s=0.3) and time.monotonic() - t >= 0.3
 
     def computer():  # the first task: compute, store, release
         time.sleep(0.3)
@@ -216,18 +266,18 @@ def test_claims_let_a_task_wait_for_a_chunk_another_computes(tmp_path):
         store.release(k[0])
     worker = threading.Thread(target=computer)
     worker.start()
-    assert store.wait_for(k[0], timeout_s=30)            # the entry appeared: adopt it instead of computing
+    assert store.wait_for(k[0], timeout_s=30)  # the entry appeared: adopt it instead of computing
     worker.join()
     out = [torch.empty_like(c) for c in kv]
     assert store.read(k[0], out) and all(torch.equal(a, b) for a, b in zip(out, kv))
 
     assert store.claim(k[1])
-    store.release(k[1])                                   # the computer failed: a waiter stops at once, empty-handed
+    store.release(k[1])  # the computer failed: a waiter stops at once, empty-handed
     t = time.monotonic()
     assert not store.wait_for(k[1], timeout_s=30) and time.monotonic() - t < 5
     assert store.claim(k[2])
     os.utime(store.path(k[2], ".claim"), (time.time() - 3600, time.time() - 3600))
-    assert store.claim(k[2])                              # a claim its dead owner never released is taken over
+    assert store.claim(k[2])  # a claim its dead owner never released is taken over
     store.clear()
     assert os.listdir(tmp_path / "s") == []
 
@@ -236,7 +286,8 @@ def test_claims_let_a_task_wait_for_a_chunk_another_computes(tmp_path):
 # budget, permissions, command line
 
 def test_budget_evicts_least_recently_used(tmp_path):
-    store, k = KVStore(tmp_path / "s"), keys(5)
+    store = KVStore(tmp_path / "s")
+    k = keys(5)
     sizes = [store.write(k[j], chunks(seed=j)) for j in range(3)]
     t0 = time.time() - 1000
     for j in range(3):  # written long ago, in order: 0 is the oldest
@@ -245,14 +296,16 @@ def test_budget_evicts_least_recently_used(tmp_path):
     assert store.evict_to_budget(2 * sizes[0]) == 1
     assert [e[0] for e in store.entries()] == [k[2], k[0]] and store.size() == 2 * sizes[0]
     budgeted = KVStore(tmp_path / "s", budget_gib=2.5 * sizes[0] / 2**30)
-    budgeted.write(k[3], chunks(seed=3))  # a write evicts down to the budget: entry 2 is now the oldest
+    # a write evicts down to the budget: entry 2 is now the oldest
+    budgeted.write(k[3], chunks(seed=3))
     assert [e[0] for e in budgeted.entries()] == [k[0], k[3]] and budgeted.stats["evicted"] == 1
     assert budgeted.size() <= budgeted.budget
 
 
 def test_stale_temporary_files_are_swept(tmp_path):
     store = KVStore(tmp_path / "s")
-    old, fresh = tmp_path / "s" / ".tmp-dead-1-aa", tmp_path / "s" / ".tmp-live-2-bb"
+    old = tmp_path / "s" / ".tmp-dead-1-aa"
+    fresh = tmp_path / "s" / ".tmp-live-2-bb"
     old.write_bytes(b"x")
     fresh.write_bytes(b"x")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
@@ -276,39 +329,47 @@ def test_store_is_owner_only(tmp_path):
         KVStore(open_dir)
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "kvstore.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+def run_kvstore(*args):
+    """kvstore.py's command line in a child process."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "kvstore.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_cli_list_and_clear(tmp_path):
-    store, k = KVStore(tmp_path / "s"), keys()
+    store = KVStore(tmp_path / "s")
+    k = keys()
     n = sum(store.write(k[j], chunks(seed=j)) for j in range(2))
     (tmp_path / "s" / "notes.txt").write_text("not ours")
-    out = cli(tmp_path / "s", "--list")
+    out = run_kvstore(tmp_path / "s", "--list")
     assert out.returncode == 0, out.stderr
     assert k[0] in out.stdout and k[1] in out.stdout and "2 entries" in out.stdout
     assert f"{n / 2**20:.3f} MiB" in out.stdout.splitlines()[-1]
-    out = cli(tmp_path / "s", "--clear")
+    out = run_kvstore(tmp_path / "s", "--clear")
     assert out.returncode == 0 and "removed 2 entries" in out.stdout
-    assert store.entries() == [] and (tmp_path / "s" / "notes.txt").exists()  # only the store's own files go
-    assert "0 entries" in cli(tmp_path / "s", "--list").stdout
+    # only the store's own files go
+    assert store.entries() == [] and (tmp_path / "s" / "notes.txt").exists()
+    assert "0 entries" in run_kvstore(tmp_path / "s", "--list").stdout
 
 
-@pytest.mark.parametrize("args", [("{tmp}/missing", "--list"), ("{tmp}/file", "--list"), ("{tmp}/open", "--clear"),
-                                  ("{tmp}",), ("{tmp}", "--list", "--clear"), ()])
+@pytest.mark.parametrize("args", [("{tmp}/missing", "--list"),
+                                  ("{tmp}/file", "--list"),
+                                  ("{tmp}/open", "--clear"),
+                                  ("{tmp}",),
+                                  ("{tmp}", "--list", "--clear"),
+                                  ()])
 def test_cli_bad_usage_is_one_sentence_and_exit_2(tmp_path, args):
     (tmp_path / "file").write_text("x")
     (tmp_path / "open").mkdir(mode=0o755)
     os.chmod(tmp_path / "open", 0o755)
-    out = cli(*(a.format(tmp=tmp_path) for a in args))
+    out = run_kvstore(*(a.format(tmp=tmp_path) for a in args))
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvstore.py: error: "), out.stderr
 
 
 # -----------------------------------------------------------------------------
-# through the loop: a second question about a document adopts its chunks, bit-identically, in every tier
+# through the loop: a second question about a document adopts its chunks, bit-identically, in every
+# tier
 
 def doc_and_questions(vocab, n_doc=45, n_ask=6, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -317,23 +378,32 @@ def doc_and_questions(vocab, n_doc=45, n_ask=6, seed=0):
 
 
 def ask(model, ids, cfg, store=None, fingerprint=None, new=6, C=8):
+    """run_task with the KV store: (new ids, {length: logits} of each step, stats)."""
     steps = []
-    out, stats = run_task(model, ids, new, chunk_size=C, cfg=cfg, kv_store=store, fingerprint=fingerprint,
-                          on_step=lambda phase, logits, cache: steps.append((cache.length, logits.clone())))
+
+    def on_step(phase, logits, cache):
+        steps.append((cache.length, logits.clone()))
+    out, stats = run_task(model, ids, new, chunk_size=C, cfg=cfg, kv_store=store,
+                          fingerprint=fingerprint, on_step=on_step)
     return out, dict(steps), stats
 
 
-@pytest.mark.parametrize("mode,compress", [("none", "none"), ("cpu", "none"), ("disk", "none"), ("disk", "zstd")])
-def test_second_question_reuses_the_document_bit_identically(llama_ckpt, tmp_path, mode, compress):
+@pytest.mark.parametrize("mode,compress",
+                         [("none", "none"), ("cpu", "none"), ("disk", "none"), ("disk", "zstd")])
+def test_second_question_reuses_the_document_bit_identically(llama_ckpt, tmp_path, mode,
+                                                             compress):
     model = Transformer.from_pretrained(llama_ckpt)
     doc, (q1, q2) = doc_and_questions(model.args.vocab_size)
     cfg = OffloadConfig(mode=mode, compress=compress, window=1, offload_dir=str(tmp_path / "off"))
-    store, fp = KVStore(tmp_path / "s"), model_fingerprint(llama_ckpt)
-    cold_ids, cold_steps, _ = ask(model, doc + q2, cfg)                    # no store at all: the reference
-    _, _, first = ask(model, doc + q1, cfg, store, fp)                      # stores the full chunks of doc + q1
-    assert first["reused_tokens"] == 0 and first["stored_tokens"] == (len(doc) + len(q1)) // 8 * 8
+    store = KVStore(tmp_path / "s")
+    fp = model_fingerprint(llama_ckpt)
+    cold_ids, cold_steps, _ = ask(model, doc + q2, cfg)  # no store at all: the reference
+    _, _, first = ask(model, doc + q1, cfg, store, fp)   # stores the full chunks of doc + q1
+    assert first["reused_tokens"] == 0
+    assert first["stored_tokens"] == (len(doc) + len(q1)) // 8 * 8
     warm_ids, warm_steps, warm = ask(model, doc + q2, cfg, store, fp)
-    assert warm["reused_tokens"] == len(doc) // 8 * 8 and warm["store_bytes_read"] > 0  # the chunks inside doc
+    # the chunks inside doc
+    assert warm["reused_tokens"] == len(doc) // 8 * 8 and warm["store_bytes_read"] > 0
     assert warm_ids == cold_ids
     assert min(warm_steps) > warm["reused_tokens"], "an adopted chunk was computed again"
     for pos, logits in warm_steps.items():
@@ -341,16 +411,19 @@ def test_second_question_reuses_the_document_bit_identically(llama_ckpt, tmp_pat
 
 
 def test_other_weights_with_the_same_shapes_reuse_nothing(llama_ckpt, tmp_path):
-    """A fine-tune of the same shapes (here layer 0's v_proj scaled by 1.5) never matches the original's entries."""
+    """A fine-tune of the same shapes (here layer 0's v_proj scaled by 1.5) never matches the
+    original's entries."""
     from safetensors.torch import load_file, save_file
     other = tmp_path / "other"
     shutil.copytree(llama_ckpt, other)
     tensors = load_file(other / "model.safetensors")
     tensors["model.layers.0.self_attn.v_proj.weight"] *= 1.5
     save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
-    a, b = Transformer.from_pretrained(llama_ckpt), Transformer.from_pretrained(str(other))
+    a = Transformer.from_pretrained(llama_ckpt)
+    b = Transformer.from_pretrained(str(other))
     doc, (q1, _) = doc_and_questions(a.args.vocab_size)
-    store, cfg = KVStore(tmp_path / "s"), OffloadConfig()
+    store = KVStore(tmp_path / "s")
+    cfg = OffloadConfig()
     ask(a, doc + q1, cfg, store, model_fingerprint(llama_ckpt))
     ids_b, _, st = ask(b, doc + q1, cfg, store, model_fingerprint(str(other)))
     assert st["reused_tokens"] == 0
@@ -358,11 +431,10 @@ def test_other_weights_with_the_same_shapes_reuse_nothing(llama_ckpt, tmp_path):
 
 
 def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, capsys):
-    import json
-
-    import cli
-    doc = " ".join(["The with statement wraps a block with methods defined by a context manager."] * 6)
-    common = ["--ckpt", text_ckpt, "--chunk-size", 16, "--kv-store", tmp_path / "s", "--max-new-tokens", 4]
+    sentence = "The with statement wraps a block with methods defined by a context manager."
+    doc = " ".join([sentence] * 6)
+    common = ["--ckpt", text_ckpt, "--chunk-size", 16, "--kv-store", tmp_path / "s",
+              "--max-new-tokens", 4]
     runs = []
     for q in ("What is it?", "Why?"):
         capsys.readouterr()
@@ -370,8 +442,10 @@ def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, 
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["stats"]["reused_tokens"] == 0 and runs[1]["stats"]["reused_tokens"] >= 16 * 3
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"id": i, "prompt": doc + q}) + "\n" for i, q in enumerate(["A?", "B?"])))
+    lines = [json.dumps({"id": i, "prompt": doc + q}) + "\n" for i, q in enumerate(["A?", "B?"])]
+    tasks.write_text("".join(lines))
     out = tmp_path / "results.jsonl"
     assert cli.main([str(a) for a in common + ["--prompts", tasks, "--output", out]]) == 0
     stats = [json.loads(line)["stats"] for line in out.read_text().splitlines()]
-    assert all(s["reused_tokens"] >= 16 * 3 for s in stats), stats  # the document was computed once, long ago
+    # the document was computed once, long ago
+    assert all(s["reused_tokens"] >= 16 * 3 for s in stats), stats

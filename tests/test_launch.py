@@ -1,7 +1,8 @@
 """
-The same commands under torchrun (gloo, 2 CPU processes): tensor parallel generate.py and verify.py, and a
---prompts batch split over 2 replicas (--tp 1) that gives the single-process results, resumes after one process is
-killed, and writes every id once. Each launch costs seconds, so a test makes the most of each.
+The same commands under torchrun (gloo, 2 CPU processes): tensor parallel generate.py and verify.py,
+and a --prompts batch split over 2 replicas (--tp 1) that gives the single-process results, resumes
+after one process is killed, and writes every id once. Each launch costs seconds, so a test makes
+the most of each.
 """
 import json
 import os
@@ -13,22 +14,38 @@ import time
 import pytest
 
 import cli
+from test_cli import TEXT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEXT = "The with statement is used to wrap the execution of a block with methods defined by a context manager. "
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def torchrun(script, *args, n=2, wait=True, **kw):
+    """script under torchrun with n processes: its CompletedProcess (wait=False: its Popen)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.join(ROOT, script), *map(str, args)]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300, **kw)
+        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                          **kw)
+
+
+def parent_pid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def children(pid):
+    """The processes whose parent is pid (torchrun's workers)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and parent_pid(int(p)) == pid]
 
 
 def single(argv, capsys):
+    """generate.py's main() in one process; it must succeed: its stdout."""
     capsys.readouterr()
     rc = cli.main([str(a) for a in argv])
     out = capsys.readouterr()
@@ -37,10 +54,11 @@ def single(argv, capsys):
 
 
 def test_tensor_parallel_generate_and_verify(text_ckpt, tmp_path, capsys):
-    """2 ranks hold half the heads each: rank 0 alone prints one JSON object, whose greedy tokens equal one process's;
-    each rank's KV went through its own disk tier; verify.py passes under torchrun."""
-    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 2, "--max-new-tokens", 12, "--chunk-size", 16, "--json",
-            "--offload", "disk", "--window", 1, "--offload-dir", tmp_path / "off"]
+    """2 ranks hold half the heads each: rank 0 alone prints one JSON object, whose greedy tokens
+    equal one process's; each rank's KV went through its own disk tier; verify.py passes under
+    torchrun."""
+    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 2, "--max-new-tokens", 12, "--chunk-size", 16,
+            "--json", "--offload", "disk", "--window", 1, "--offload-dir", tmp_path / "off"]
     p = torchrun("generate.py", *argv)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
@@ -52,8 +70,8 @@ def test_tensor_parallel_generate_and_verify(text_ckpt, tmp_path, capsys):
     assert len(ranks) == 2 and all(s["chunks"]["disk"] > 0 for s in ranks)
     # each rank holds half of the kv heads, so half of the KV bytes
     assert ranks[0]["bytes"]["disk_write"] * 2 == ref["stats"]["bytes"]["disk_write"]
-    v = torchrun("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 6, "--chunk-size", 16, "--window", 1,
-                 "--max-prompt-tokens", 120, "--offload-dir", tmp_path / "voff")
+    v = torchrun("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 6, "--chunk-size", 16,
+                 "--window", 1, "--max-prompt-tokens", 120, "--offload-dir", tmp_path / "voff")
     assert v.returncode == 0, v.stdout + v.stderr
     assert v.stdout.count("OK: every mode is bit-identical") == 1, v.stdout
 
@@ -64,19 +82,22 @@ TASKS = [{"id": f"t{i}", "prompt": TEXT * (1 + i % 3), "max_new_tokens": 40} for
 def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
-    flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16, "--window", 1]
+    flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16,
+             "--window", 1]
     single(flags + ["--output", tmp_path / "one.jsonl", "--offload-dir", tmp_path / "off1"], capsys)
-    ref = {json.loads(l)["id"]: json.loads(l)["tokens"] for l in (tmp_path / "one.jsonl").read_text().splitlines()}
+    one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    ref = {r["id"]: r["tokens"] for r in one}
 
     out = tmp_path / "two.jsonl"
     argv = flags + ["--output", out, "--offload-dir", tmp_path / "off2", "--tp", 1]
     p = torchrun("generate.py", *argv, wait=False)
     deadline = time.monotonic() + 240
-    while not (out.exists() and out.read_text().count("\n") >= 2):  # kill a rank once some results are in
+    # kill a rank once some results are in
+    while not (out.exists() and out.read_text().count("\n") >= 2):
         assert p.poll() is None, p.communicate()[1]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == p.pid]
+    workers = children(p.pid)
     os.kill(workers[0], signal.SIGKILL)
     p.communicate(timeout=120)
     first = out.read_text().splitlines()
@@ -84,19 +105,11 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
 
     again = torchrun("generate.py", *argv)
     assert again.returncode == 0, again.stderr
-    got = [json.loads(l) for l in out.read_text().splitlines()]
+    got = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in got) == sorted(ref), "every id exactly once"
     assert {r["id"]: r["tokens"] for r in got} == ref
     assert {r["group"] for r in got} == {0, 1}, "both replicas did work"
     assert "tasks: " in again.stderr and again.stderr.count("tasks: ") >= 1
-
-
-def _parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 @pytest.mark.parametrize("case", ["tp without torchrun", "tp not dividing the world"])
@@ -108,21 +121,26 @@ def test_launch_refusals_are_one_sentence(text_ckpt, capsys, case):
     else:
         p = torchrun("generate.py", "--ckpt", text_ckpt, "--prompt", TEXT, "--tp", 3)
         assert p.returncode != 0
-        err = "\n".join(l for l in p.stderr.splitlines() if l.startswith("generate.py: error"))
+        err = "\n".join(line for line in p.stderr.splitlines()
+                        if line.startswith("generate.py: error"))
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "--tp" in lines[0] and ("torchrun" in lines[0] or "divid" in lines[0]), err
+    assert len(lines) == 1 and "--tp" in lines[0], err
+    assert "torchrun" in lines[0] or "divid" in lines[0], err
 
 
 def test_tensor_parallel_rank_killed_mid_task_resumes(text_ckpt, tmp_path, capsys):
-    """2 ranks share one model; one is killed (SIGKILL) while the task decodes; the same command again resumes both
-    ranks from the prefix both manifests vouch for and writes the single-process tokens."""
+    """2 ranks share one model; one is killed (SIGKILL) while the task decodes; the same command
+    again resumes both ranks from the prefix both manifests vouch for and writes the single-process
+    tokens."""
     task = {"id": "long", "prompt": TEXT * 3, "max_new_tokens": 150}
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps(task) + "\n")
-    flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16, "--window", 1]
+    flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16,
+             "--window", 1]
     single(flags + ["--output", tmp_path / "one.jsonl", "--offload-dir", tmp_path / "off1"], capsys)
     ref = json.loads((tmp_path / "one.jsonl").read_text())["tokens"]
-    out, off = tmp_path / "two.jsonl", tmp_path / "off2"
+    out = tmp_path / "two.jsonl"
+    off = tmp_path / "off2"
     argv = flags + ["--output", out, "--offload-dir", off]
     p = torchrun("generate.py", *argv, wait=False)
     manifests = [off / "task_long" / f"rank{r}" / "manifest.json" for r in (0, 1)]
@@ -137,7 +155,7 @@ def test_tensor_parallel_rank_killed_mid_task_resumes(text_ckpt, tmp_path, capsy
         assert p.poll() is None, p.communicate()[1]
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    workers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _parent(int(pid)) == p.pid]
+    workers = children(p.pid)
     os.kill(workers[-1], signal.SIGKILL)
     p.communicate(timeout=120)
     assert not out.exists() or out.read_text() == "", "the kill must land mid-task"

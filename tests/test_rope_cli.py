@@ -1,7 +1,8 @@
 """
-Past the trained context on purpose (--rope-scaling): refused without the override in one sentence naming it,
-run with it (one line on stderr says which scaling is in force), recorded in the result's config, and never mixed
-with KV made under another RoPE setting, neither by resume nor by the KV store.
+Past the trained context on purpose (--rope-scaling): refused without the override in one sentence
+naming it, run with it (one line on stderr says which scaling is in force), recorded in the
+result's config, and never mixed with KV made under another RoPE setting, neither by resume nor by
+the KV store.
 """
 import json
 import shutil
@@ -13,8 +14,7 @@ from ckpt import edit_config
 from model import Transformer
 from offload import OffloadConfig
 from task import run_task
-
-TEXT = "The with statement is used to wrap the execution of a block with methods defined by a context manager. "
+from test_cli import TEXT, main_in_process
 
 
 @pytest.fixture(scope="module")
@@ -26,25 +26,21 @@ def short_ckpt(text_ckpt, tmp_path_factory):
     return str(path)
 
 
-def main(argv, capsys):
-    capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_long_prompt_refused_without_the_override(short_ckpt, capsys):
-    rc, out, err = main(["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 4], capsys)
+    argv = ["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 4]
+    rc, out, err = main_in_process(argv, capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and out == "", err
-    assert "--rope-scaling" in lines[0] and "--rope-factor" in lines[0] and "not guaranteed" in lines[0], lines[0]
+    assert "--rope-scaling" in lines[0] and "--rope-factor" in lines[0], lines[0]
+    assert "not guaranteed" in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("kind", ["linear", "yarn", "llama3"])
 def test_override_runs_past_the_context_and_says_so(short_ckpt, tmp_path, capsys, kind):
-    argv = ["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 4, "--chunk-size", 16, "--json",
-            "--rope-scaling", kind, "--rope-factor", 2, "--offload", "disk", "--window", 1, "--offload-dir", tmp_path]
-    rc, out, err = main(argv, capsys)
+    argv = ["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 4, "--chunk-size", 16,
+            "--json", "--rope-scaling", kind, "--rope-factor", 2, "--offload", "disk",
+            "--window", 1, "--offload-dir", tmp_path]
+    rc, out, err = main_in_process(argv, capsys)
     assert rc == 0, err
     r = json.loads(out)
     assert 128 < r["prompt_tokens"] + len(r["tokens"]) <= 256
@@ -59,16 +55,17 @@ def test_override_runs_past_the_context_and_says_so(short_ckpt, tmp_path, capsys
 
 
 def test_flags_without_scaling_are_refused(short_ckpt, capsys):
-    rc, _, err = main(["--ckpt", short_ckpt, "--prompt", TEXT, "--rope-factor", 2], capsys)
+    argv = ["--ckpt", short_ckpt, "--prompt", TEXT, "--rope-factor", 2]
+    rc, _, err = main_in_process(argv, capsys)
     assert rc == 2 and "--rope-scaling" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kv_made_under_another_rope_setting_is_not_adopted(short_ckpt, tmp_path, capsys):
-    base = ["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 2, "--chunk-size", 16, "--json",
-            "--kv-store", tmp_path / "s", "--rope-factor", 2]
+    base = ["--ckpt", short_ckpt, "--prompt", TEXT * 4, "--max-new-tokens", 2, "--chunk-size", 16,
+            "--json", "--kv-store", tmp_path / "s", "--rope-factor", 2]
     runs = []
     for kind in ("yarn", "yarn", "linear"):
-        rc, out, err = main(base + ["--rope-scaling", kind], capsys)
+        rc, out, err = main_in_process(base + ["--rope-scaling", kind], capsys)
         assert rc == 0, err
         runs.append(json.loads(out)["stats"])
     assert runs[0]["reused_tokens"] == 0 and runs[1]["reused_tokens"] > 0  # the same setting reuses

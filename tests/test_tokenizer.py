@@ -1,7 +1,7 @@
 """
-tokenizer.py judged against the libraries it wraps: a tiny sentencepiece model (Llama 2 / Mistral style) and a
-tiny byte-level BPE tokenizer.json (Llama 3 style with a BOS post-processor, Qwen2 style without), all trained
-offline in a temporary directory.
+tokenizer.py judged against the libraries it wraps: a tiny sentencepiece model (Llama 2 / Mistral
+style) and a tiny byte-level BPE tokenizer.json (Llama 3 style with a BOS post-processor, Qwen2
+style without), all trained offline in a temporary directory.
 """
 import json
 import os
@@ -11,8 +11,10 @@ import pytest
 
 from tokenizer import Tokenizer, load_tokenizer
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing boxes".split()
-TEXT = "the lazy wizard jumps — naïve 日本 boxes!"  # the last few characters are not in the training text
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing "
+         "boxes").split()
+# the last few characters are not in the training text
+TEXT = "the lazy wizard jumps — naïve 日本 boxes!"
 
 
 def corpus(lines=300, seed=0):
@@ -29,9 +31,11 @@ def write_json(path, obj):
 def spm_dir(tmp_path_factory):
     import sentencepiece as spm
     path = tmp_path_factory.mktemp("spm")
-    # byte_fallback adds 256 byte pieces, so the vocab must exceed 259; identity normalisation keeps round trips exact
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_prefix=str(path / "tokenizer"),
-                                   vocab_size=300, model_type="bpe", byte_fallback=True,
+    # byte_fallback adds 256 byte pieces, so the vocab must exceed 259; identity normalisation keeps
+    # round trips exact
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()),
+                                   model_prefix=str(path / "tokenizer"), vocab_size=300,
+                                   model_type="bpe", byte_fallback=True,
                                    normalization_rule_name="identity", minloglevel=2)
     os.remove(path / "tokenizer.vocab")
     write_json(path / "config.json", {"bos_token_id": 1, "eos_token_id": 2})
@@ -46,7 +50,8 @@ def test_sentencepiece_encode_decode(spm_dir):
     assert ids == [1] + sp.encode(TEXT)  # BOS first, then exactly what sentencepiece itself gives
     assert any(sp.IsByte(i) for i in ids[1:])  # the unseen characters went through byte fallback
     assert tok.decode(ids) == TEXT
-    assert tok.bos_id == 1 and tok.eos_ids == {2}  # from config.json: there is no generation_config.json
+    # from config.json: there is no generation_config.json
+    assert tok.bos_id == 1 and tok.eos_ids == {2}
 
 
 def test_sentencepiece_eos_from_generation_config(spm_dir, tmp_path):
@@ -62,17 +67,20 @@ def test_sentencepiece_eos_from_generation_config(spm_dir, tmp_path):
 
 
 def build_tokenizer_json(path, bos):
-    """Byte-level BPE trained in memory; with bos=True a post-processor prepends <|begin|> as Llama 3's does."""
+    """Byte-level BPE trained in memory; with bos=True a post-processor prepends <|begin|> as Llama
+    3's does."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin|>", "<|end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tok.train_from_iterator(corpus(), trainer)
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A", special_tokens=[("<|begin|>", 0)])
+        tok.post_processor = processors.TemplateProcessing(single="<|begin|> $A",
+                                                           special_tokens=[("<|begin|>", 0)])
     os.makedirs(path, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     write_json(path / "config.json", {"bos_token_id": 0, "eos_token_id": 1})
@@ -84,7 +92,8 @@ def test_tokenizer_json_encode_decode(tmp_path, bos):
     path = build_tokenizer_json(tmp_path / "ckpt", bos)
     tok = Tokenizer(str(path))
     ids = tok.encode(TEXT)
-    assert ids.count(0) == int(bos) and (ids[0] == 0) == bos  # BOS exactly as the file says: once, or not at all
+    # BOS exactly as the file says: once, or not at all
+    assert ids.count(0) == int(bos) and (ids[0] == 0) == bos
     assert len(ids) < len(TEXT.encode())  # merges were learnt and used, not just bytes
     assert tok.decode(ids) == TEXT  # special tokens skipped, bytes reassembled
     assert tok.eos_ids == {1}

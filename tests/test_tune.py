@@ -1,7 +1,8 @@
 """
-The tuner (bench.py --tune) and the diagnose mode (verify.py --diagnose) as a user runs them: the tuner's
-recommendation fits the budgets, its JSON line parses and its command runs as printed; each seeded fault is found
-and named on one line. No speed is asserted beyond "the recommendation is the fastest measured, or within 5%".
+The tuner (bench.py --tune) and the diagnose mode (verify.py --diagnose) as a user runs them: the
+tuner's recommendation fits the budgets, its JSON line parses and its command runs as printed; each
+seeded fault is found and named on one line. No speed is asserted beyond "the recommendation is the
+fastest measured, or within 5%".
 """
 import json
 import os
@@ -17,52 +18,67 @@ import tune
 from model import ModelArgs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128, vocab_size=256)  # "tiny"
+# random_model's "tiny"
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                 vocab_size=256)
 
 
 def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
-    dev_gib, cpu_gib = 0.0003, 0.0004  # 0.3 MiB of device KV: less than the 0.5 MiB the whole KV takes
+    dev_gib = 0.0003  # 0.3 MiB of device KV: less than the 0.5 MiB the whole KV takes
+    cpu_gib = 0.0004
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "bench.py", "--tune", "--random-model", "tiny", "--ckpt", tmp_path / "m",
-                        "--context", "512", "--new-tokens", "8", "--device", "cpu", "--threads", "1",
-                        "--device-budget", str(dev_gib), "--cpu-budget", str(cpu_gib), "--offload-dir",
-                        tmp_path / "kv"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = subprocess.run([sys.executable, "bench.py", "--tune", "--random-model", "tiny",
+                        "--ckpt", tmp_path / "m", "--context", "512", "--new-tokens", "8",
+                        "--device", "cpu", "--threads", "1", "--device-budget", str(dev_gib),
+                        "--cpu-budget", str(cpu_gib), "--offload-dir", tmp_path / "kv"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
     took = time.perf_counter() - t
     assert p.returncode == 0, p.stderr
     assert took < 120, f"--tune on the tiny model took {took:.0f}s"
     last = json.loads(p.stdout.strip().splitlines()[-1])
     assert set(last) == {"recommended", "command", "measured", "why"}
-    rec, m = last["recommended"], last["measured"]
-    assert set(rec) == {"chunk_size", "window", "offload", "compress", "cpu_budget", "staging_slots"}
-    assert rec["offload"] != "none", "the whole KV is over the device budget: something must be offloaded"
-    # the recommendation fits: device KV planned from the shape, and measured; the host part within --cpu-budget
+    rec = last["recommended"]
+    m = last["measured"]
+    assert set(rec) == {"chunk_size", "window", "offload", "compress", "cpu_budget",
+                        "staging_slots"}
+    assert rec["offload"] != "none", (
+        "the whole KV is over the device budget: something must be offloaded")
+    # the recommendation fits: device KV planned from the shape, and measured; the host part within
+    # --cpu-budget
     slot = -(-2 * TINY.n_kv_heads * rec["chunk_size"] * TINY.head_dim * 4 // 4096) * 4096
     staged = rec["staging_slots"] or 0
     assert (TINY.n_layers * (rec["window"] + 1) + staged) * slot <= dev_gib * 2**30
-    assert m["device_kv_bytes"] <= dev_gib * 2**30 and m["kv_bytes_planned"]["host"] <= cpu_gib * 2**30
+    assert m["device_kv_bytes"] <= dev_gib * 2**30
+    assert m["kv_bytes_planned"]["host"] <= cpu_gib * 2**30
     assert m["decode_tokens_per_s"] >= 0.95 * m["fastest_decode_tokens_per_s"], last["why"]
-    assert "| step | chunk | window | tier |" in p.stdout and "1. chunk size" in p.stdout and "4. prefetch" in p.stdout
+    assert "| step | chunk | window | tier |" in p.stdout
+    assert "1. chunk size" in p.stdout and "4. prefetch" in p.stdout
     # the command runs as printed, with the python on PATH being this one
-    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-    run = subprocess.run(["bash", "-c", last["command"]], capture_output=True, text=True, cwd=ROOT, env=env,
-                         timeout=300)
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    env = {**os.environ, "PATH": path}
+    run = subprocess.run(["bash", "-c", last["command"]], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "decode" in run.stderr
 
 
 def plan_args(**kw):
-    return Namespace(**{"dtype": "fp32", "kv_dtype": "auto", "context": 2048, "new_tokens": 16, "chunk_sizes": [128, 256, 512, 1024],
-                        "device_budget": 0.4 / 1024, "cpu_budget": 0.75 / 1024, **kw})
+    """The tuner's flags, as argparse gives them, for TINY at 2048 tokens."""
+    return Namespace(**{"dtype": "fp32", "kv_dtype": "auto", "context": 2048, "new_tokens": 16,
+                        "chunk_sizes": [128, 256, 512, 1024], "device_budget": 0.4 / 1024,
+                        "cpu_budget": 0.75 / 1024, **kw})
 
 
 @pytest.mark.parametrize("cuda", [False, True])
 def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
-    """The grid the tuner measures, from the shape alone: every window fits the device budget with its staging
-    slots, and each tier is the nearest the budgets allow (cpu when the offloaded part fits, else disk)."""
+    """The grid the tuner measures, from the shape alone: every window fits the device budget with
+    its staging slots, and each tier is the nearest the budgets allow (cpu when the offloaded part
+    fits, else disk)."""
     args = plan_args()
     cands = tune.candidates(TINY, args, cuda)
     live = [c for c in cands if not c.pruned]
-    # 1024: two open chunks (one per layer) are over the budget; 512: the staging slots too, where they are used
+    # 1024: two open chunks (one per layer) are over the budget; 512: the staging slots too, where
+    # they are used
     assert {c.chunk_size for c in live} == ({128, 256} if cuda else {128, 256, 512})
     for c in live:
         assert c.kv["device"] <= args.device_budget * 2**30, c
@@ -71,12 +87,15 @@ def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
             assert c.kv["host"] <= args.cpu_budget * 2**30
         else:
             cpu = tune.plan(tune.Candidate(c.chunk_size, c.window, "cpu"), TINY, args, cuda)
-            assert cpu.kv["host"] > args.cpu_budget * 2**30, "disk chosen where the cpu tier would have held it"
+            assert cpu.kv["host"] > args.cpu_budget * 2**30, (
+                "disk chosen where the cpu tier would have held it")
     assert any(c.compress == "zstd" for c in live)
-    assert any(c.offload == "cpu" for c in live) != cuda  # on CUDA the staging slots leave windows too small
+    # on CUDA the staging slots leave windows too small
+    assert any(c.offload == "cpu" for c in live) != cuda
     assert all(c.pruned for c in cands if c.chunk_size == 1024)
     # a device budget that holds all the KV: nothing is offloaded
-    assert {c.offload for c in tune.candidates(TINY, plan_args(device_budget=1.0), cuda)} == {"none"}
+    roomy = tune.candidates(TINY, plan_args(device_budget=1.0), cuda)
+    assert {c.offload for c in roomy} == {"none"}
 
 
 def test_tune_refuses_what_it_picks(capsys):
@@ -89,14 +108,17 @@ def test_tune_refuses_what_it_picks(capsys):
 # verify.py --diagnose: one seeded fault per test, found and named on one line
 
 def diagnose(capsys, ckpt, *args):
-    rc = doctor.main(["--ckpt", ckpt, "--device", "cpu", "--threads", "1", "--probe-mib", "8", *map(str, args)])
+    """verify.py --diagnose in this process: (exit code, the FOUND lines, every line)."""
+    rc = doctor.main(["--ckpt", ckpt, "--device", "cpu", "--threads", "1", "--probe-mib", "8",
+                      *map(str, args)])
     out = capsys.readouterr().out.splitlines()
     return rc, [line for line in out if line.startswith("FOUND")], out
 
 
 def test_diagnose_finds_nothing_in_a_sound_configuration(capsys, llama_ckpt, tmp_path):
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", tmp_path / "kv",
-                              "--chunk-size", 16, "--window", 2, "--context", 256)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk",
+                              "--offload-dir", tmp_path / "kv", "--chunk-size", 16, "--window", 2,
+                              "--context", 256)
     assert rc == 0 and not found, out
     assert any(line.startswith("ok     bytes moving") for line in out), out
     assert any("bit-identical" in line for line in out), out
@@ -104,54 +126,70 @@ def test_diagnose_finds_nothing_in_a_sound_configuration(capsys, llama_ckpt, tmp
 
 def test_diagnose_finds_an_unwritable_directory(capsys, llama_ckpt, tmp_path):
     (tmp_path / "a_file").write_text("")  # a directory under a file cannot be created, even by root
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", tmp_path / "a_file" / "kv",
-                              "--chunk-size", 16, "--window", 2, "--context", 256)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk",
+                              "--offload-dir", tmp_path / "a_file" / "kv", "--chunk-size", 16,
+                              "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir writable") and "--offload-dir" in line for line in found), out
+    assert any(line.startswith("FOUND  offload dir writable") and "--offload-dir" in line
+               for line in found), out
 
 
 def test_diagnose_finds_a_window_larger_than_the_context(capsys, llama_ckpt):
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16, "--window", 32,
-                              "--context", 256)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16,
+                              "--window", 32, "--context", 256)
     assert rc == 1
     line = next(line for line in found if line.startswith("FOUND  offload not in effect"))
     assert "fits in --window 32" in line and "fix: --window 14" in line, line
 
 
 def test_diagnose_finds_a_budget_smaller_than_the_kv(capsys, llama_ckpt):
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--cpu-budget", "0.000001", "--chunk-size",
-                              16, "--window", 1, "--context", 256)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--cpu-budget", "0.000001",
+                              "--chunk-size", 16, "--window", 1, "--context", 256)
     assert rc == 1
     line = next(line for line in found if line.startswith("FOUND  budget smaller than the KV"))
-    assert "--cpu-budget 1e-06 GiB holds 0 of the 28 chunks" in line and "fix: --cpu-budget" in line, line
+    assert "--cpu-budget 1e-06 GiB holds 0 of the 28 chunks" in line, line
+    assert "fix: --cpu-budget" in line, line
 
 
 def test_fs_type_reads_the_longest_mount(tmp_path):
     mounts = tmp_path / "mounts"
-    (tmp_path / "ram" / "disk").mkdir(parents=True)  # mount points exist; the offload dirs below them need not
-    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\ntmpfs {tmp_path}/ram tmpfs rw 0 0\nnvme {tmp_path}/ram/disk xfs rw 0 0\n")
-    assert doctor.fs_type(str(tmp_path / "ram" / "kv"), mounts) == "tmpfs"        # a directory not made yet
-    assert doctor.fs_type(str(tmp_path / "ram" / "disk" / "kv"), mounts) == "xfs"  # the longest mount point wins
+    # mount points exist; the offload dirs below them need not
+    (tmp_path / "ram" / "disk").mkdir(parents=True)
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\n"
+                      f"tmpfs {tmp_path}/ram tmpfs rw 0 0\n"
+                      f"nvme {tmp_path}/ram/disk xfs rw 0 0\n")
+    # a directory not made yet
+    assert doctor.fs_type(str(tmp_path / "ram" / "kv"), mounts) == "tmpfs"
+    # the longest mount point wins
+    assert doctor.fs_type(str(tmp_path / "ram" / "disk" / "kv"), mounts) == "xfs"
     assert doctor.fs_type(str(tmp_path / "elsewhere"), mounts) == "ext4"
 
 
 def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt, tmp_path, monkeypatch):
-    """The offload dir's file system as /proc/mounts would give it: tmpfs (whatever this machine mounts where)."""
+    """The offload dir's file system as /proc/mounts would give it: tmpfs (whatever this machine
+    mounts where)."""
     ram = str(tmp_path / "ram")
     real = doctor.fs_type
-    monkeypatch.setattr(doctor, "fs_type", lambda p, *a: "tmpfs" if p.startswith(ram) else real(p, *a))
+
+    def fs_type(path, *args):
+        return "tmpfs" if path.startswith(ram) else real(path, *args)
+    monkeypatch.setattr(doctor, "fs_type", fs_type)
     rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"{ram}/kv",
                               "--chunk-size", 16, "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line for line in found), out
+    assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line
+               for line in found), out
 
 
 def test_diagnose_names_a_mismatch_and_its_likely_cause(capsys, llama_ckpt, monkeypatch):
-    """Offload is bit-identical by construction, so the mismatch is seeded: the comparison reports a decode step
-    at a chunk boundary, and the doctor names the seal / eviction logic."""
-    monkeypatch.setattr(doctor.verify, "compare", lambda base, run: (40, 63, "decode", "logits differ (max 0.5)"))
-    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16, "--window", 2,
-                              "--context", 256)
+    """Offload is bit-identical by construction, so the mismatch is seeded: the comparison reports a
+    decode step at a chunk boundary, and the doctor names the seal / eviction logic."""
+    def compare(base, run):
+        return 40, 63, "decode", "logits differ (max 0.5)"
+    monkeypatch.setattr(doctor.verify, "compare", compare)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16,
+                              "--window", 2, "--context", 256)
     assert rc == 1
-    line = next(line for line in found if line.startswith("FOUND  same output with offload on and off"))
+    line = next(line for line in found
+                if line.startswith("FOUND  same output with offload on and off"))
     assert "position 63" in line and "chunk boundary" in line, line

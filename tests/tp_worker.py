@@ -1,11 +1,13 @@
 """
-One rank of the tensor-parallel tests; started by tests/test_tp.py through torchrun, never by pytest itself.
+One rank of the tensor-parallel tests; started by tests/test_tp.py through torchrun, never by pytest
+itself.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
+    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py SPEC.json OUT_DIR
 
-SPEC.json: {"tp": N, "cases": [{"name", "ckpt", "vocab", "resume"}], "tasks": [...] (data parallel)}. Each rank
-writes what it measured to OUT_DIR/rank<r>.json (and .safetensors for logits); the test compares them with the
-one-process model. Everything is checked by the test, not here, so a failure shows as a pytest assertion.
+SPEC.json: {"tp": N, "cases": [{"name", "ckpt", "vocab", "resume"}], "tasks": [...] (data
+parallel)}. Each rank writes what it measured to OUT_DIR/rank<r>.json (and .safetensors for logits);
+the test compares them with the one-process model. Everything is checked by the test, not here, so a
+failure shows as a pytest assertion.
 """
 import json
 import os
@@ -21,13 +23,23 @@ from disk import ALIGN, round_up  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from task import run_task  # noqa: E402
-from tp import agree_min, gather_stats, init_distributed, load_sharded, per_rank_bytes, split_tasks  # noqa: E402
+from tp import (  # noqa: E402
+    agree_min,
+    gather_stats,
+    init_distributed,
+    load_sharded,
+    per_rank_bytes,
+    split_tasks,
+)
 
-C, N_NEW = 8, 12  # chunk size, new tokens: a 20-token prompt ends mid-chunk, decoding crosses two boundaries
+# a 20-token prompt ends mid-chunk, decoding crosses two boundaries
+C = 8       # chunk size
+N_NEW = 12  # new tokens
 
 
 def prompt(vocab_size, n=20, seed=3):
-    return torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n,), generator=generator).tolist()
 
 
 def tokens_for_logits(vocab_size):
@@ -35,29 +47,36 @@ def tokens_for_logits(vocab_size):
 
 
 def held_bytes(model):
-    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}  # a tied matrix counts once
+    # a tied matrix counts once
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     return sum(seen.values())
 
 
 def run(model, layout, cfg, sampling=gen.Sampling(), task_id="t", fingerprint=None, seed=3):
-    """run_task with every step's logits kept. The test's one-process reference calls it with layout=None."""
+    """run_task with every step's logits kept. The test's one-process reference calls it with
+    layout=None."""
     steps = []
-    new, stats = run_task(model, prompt(model.args.vocab_size, seed=seed), N_NEW, chunk_size=C, cfg=cfg,
-                          sampling=sampling, task_id=task_id, on_step=lambda phase, logits, cache: steps.append(logits.clone()),
-                          fingerprint=fingerprint, layout=layout)
+
+    def on_step(phase, logits, cache):
+        steps.append(logits.clone())
+    ids = prompt(model.args.vocab_size, seed=seed)
+    new, stats = run_task(model, ids, N_NEW, chunk_size=C, cfg=cfg, sampling=sampling,
+                          task_id=task_id, on_step=on_step, fingerprint=fingerprint, layout=layout)
     return new, torch.cat(steps), stats
 
 
 def tp_case(case, layout, out, tensors):
     torch.manual_seed(0)
     model = load_sharded(case["ckpt"], layout, vocab=case["vocab"])
-    a, name, r = model.args, case["name"], layout.tp_rank
+    model_args = model.args
+    name = case["name"]
+    r = layout.tp_rank
     res = {"loaded_bytes": model.loaded_bytes, "held_bytes": held_bytes(model),
            "local_heads": model.layers[0].attention.n_local_heads,
            "local_kv_heads": model.layers[0].attention.n_local_kv_heads,
            "wk_rows": model.layers[0].attention.wk.weight.shape[0]}
     with torch.inference_mode():
-        tensors[f"{name}.logits"] = model(tokens_for_logits(a.vocab_size))
+        tensors[f"{name}.logits"] = model(tokens_for_logits(model_args.vocab_size))
     res["tokens"], tensors[f"{name}.steps"], _ = run(model, layout, OffloadConfig())
     off = os.path.join(out, f"off_{name}")
     disk = OffloadConfig(mode="disk", window=1, offload_dir=off)
@@ -68,23 +87,26 @@ def tp_case(case, layout, out, tensors):
 
     # KV per rank, measured from the chunk tensors the store holds after a 2-chunk prefill
     cache = make_cache(model, OffloadConfig(), C, 4 * C)
-    gen.prefill(model, cache, torch.tensor([prompt(a.vocab_size, 2 * C)]))
+    gen.prefill(model, cache, torch.tensor([prompt(model_args.vocab_size, 2 * C)]))
     res["kv_measured"] = sum(t.numel() * t.element_size() for t in cache.store.resident.values())
     res["kv_shape"] = list(next(iter(cache.store.resident.values())).shape)
     cache.store.close()
-    res["predicted"] = per_rank_bytes(a, layout.tp, 2 * C, torch.float32, case["vocab"])
+    res["predicted"] = per_rank_bytes(model_args, layout.tp, 2 * C, torch.float32, case["vocab"])
 
-    # sampling with a different seed on every rank: only run_task's broadcast keeps the ranks on one sequence
-    res["sampled"], _, _ = run(model, layout, OffloadConfig(), gen.Sampling(temperature=1.0, seed=100 + r))
+    # sampling with a different seed on every rank: only run_task's broadcast keeps the ranks on one
+    # sequence
+    sampling = gen.Sampling(temperature=1.0, seed=100 + r)
+    res["sampled"], _, _ = run(model, layout, OffloadConfig(), sampling)
 
-    if case.get("resume"):  # rank 1's chunk 1 fails its checksum: every rank must resume from chunk 1
+    # rank 1's chunk 1 fails its checksum: every rank must resume from chunk 1
+    if case.get("resume"):
         keep = OffloadConfig(mode="disk", window=1, offload_dir=off, keep_files=True)
         run(model, layout, keep, task_id="r", fingerprint="fp")
         rank_dir = os.path.join(off, "task_r", f"rank{r}")
         with open(os.path.join(rank_dir, "manifest.json")) as f:
             res["chunks_before"] = len(json.load(f)["chunks"])
         if r == 1:
-            slot = round_up(2 * res["local_kv_heads"] * C * a.head_dim * 4, ALIGN)
+            slot = round_up(2 * res["local_kv_heads"] * C * model_args.head_dim * 4, ALIGN)
             with open(os.path.join(rank_dir, "layer0.kv"), "r+b") as f:
                 f.seek(slot + 16)
                 byte = f.read(1)
@@ -116,13 +138,15 @@ def main():
         spec = json.load(f)
     torch.set_num_threads(1)
     layout = init_distributed(spec.get("tp"))
-    result, tensors = {"rank": layout.rank, "tp_rank": layout.tp_rank, "world": layout.world}, {}
+    result = {"rank": layout.rank, "tp_rank": layout.tp_rank, "world": layout.world}
+    tensors = {}
     if spec.get("tasks"):
         result["dp"] = dp_tasks(spec, layout)
     else:
         for case in spec["cases"]:
             result[case["name"]] = tp_case(case, layout, out, tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, f"rank{layout.rank}.safetensors"))
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              os.path.join(out, f"rank{layout.rank}.safetensors"))
     with open(os.path.join(out, f"rank{layout.rank}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
