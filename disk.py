@@ -27,8 +27,8 @@ class DiskTier:
     """One file per layer. Raw: an np.memmap with chunk j at byte j*slot_bytes, its space reserved
     up front so that a full disk is an error at the start, never a SIGBUS in the middle of a run.
     zstd: blobs appended to a file, the byte planes of each element split first (KV compresses
-    better that way), with an index (offset, length). Every write returns a CRC32 of what it
-    stored, so a manifest can vouch for the chunk after a crash."""
+    better that way), with an index (offset, length). Every write keeps a CRC32 of what it
+    stored, so that a manifest can vouch for the chunk after a crash (vouch, verify_prefix)."""
 
     def __init__(self, path, n_layers, n_chunks, shape, dtype, compress, restore=None):
         self.path = path
@@ -38,8 +38,10 @@ class DiskTier:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.chunk_bytes = int(np.prod(shape)) * self.itemsize
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
+        self.n_layers = n_layers
         self.index = {}  # zstd: (layer, j) -> (offset, length)
         self.views = {}  # raw: (layer, j) -> tensor over the mapping
+        self.crcs = {}   # (layer, j) -> CRC32 of the chunk as stored
         flags = os.O_RDWR | os.O_CREAT
         if restore is None:  # resuming raw passes {}
             flags |= os.O_TRUNC
@@ -90,14 +92,14 @@ class DiskTier:
         os.posix_fadvise(self.fds[layer], start, length, os.POSIX_FADV_WILLNEED)
 
     def write(self, layer, j, src):
-        """src: a host tensor [2, B, G, C, D]. Returns (bytes written, CRC32 of the stored
-        bytes)."""
+        """src: a host tensor [2, B, G, C, D]. Returns the bytes written."""
         if self.compress != "zstd":
             # numpy, not torch, copies on the worker thread: a torch copy here would start a second
             # OpenMP team that slows every op of the main thread
             dst = as_bytes(self.view(layer, j))
             dst[:] = as_bytes(src)
-            return self.chunk_bytes, zlib.crc32(dst)
+            self.crcs[(layer, j)] = zlib.crc32(dst)
+            return self.chunk_bytes
         blob = self.zc.compress(split_planes(as_bytes(src), self.itemsize))
         off = self.ends[layer]
         done = 0
@@ -106,7 +108,8 @@ class DiskTier:
             done += retry(lambda: os.pwrite(self.fds[layer], memoryview(blob)[done:], off + done))
         self.ends[layer] += len(blob)
         self.index[(layer, j)] = (off, len(blob))
-        return len(blob), zlib.crc32(blob)
+        self.crcs[(layer, j)] = zlib.crc32(blob)
+        return len(blob)
 
     def read_into(self, layer, j, dst):
         """Copy (raw) or decompress (zstd) chunk j into the host tensor dst. Returns the bytes read
@@ -135,6 +138,28 @@ class DiskTier:
         if self.compress == "zstd":
             return zlib.crc32(self.blob(layer, j)) if (layer, j) in self.index else None
         return zlib.crc32(as_bytes(self.view(layer, j)))
+
+    def vouch(self, n):
+        """What a manifest records for chunks 0..n-1 of every layer, all written: per chunk the
+        CRC32 of each layer's stored bytes and, compressed, where each blob lies."""
+        layers = range(self.n_layers)
+        chunks = {}
+        for j in range(n):
+            blobs = [self.index[(l, j)] for l in layers] if self.index else None
+            chunks[j] = {"crc": [self.crcs[(l, j)] for l in layers], "blob": blobs}
+        return chunks
+
+    def verify_prefix(self, n, chunks):
+        """Of chunks 0..n-1 left by an interrupted run, how many (a prefix) still hold what the
+        manifest's `chunks` vouch for; their checksums are kept for the next manifest."""
+        for j in range(n):
+            c = chunks.get(str(j)) or chunks.get(j)
+            crcs = [self.checksum(l, j) for l in range(self.n_layers)] if c else None
+            if not c or crcs != c["crc"]:
+                return j
+            for l, crc in enumerate(crcs):
+                self.crcs[(l, j)] = crc
+        return n
 
     def flush(self):
         """Make every write so far durable (msync / fsync) before a manifest vouches for it."""

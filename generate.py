@@ -27,14 +27,14 @@ _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only; elsewhere trim
 def forward(model, cache, tokens):
     """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last
     position."""
-    # bookkeeping: the step fits in the open chunk
+    # bookkeeping: the step fits in the open chunk; the selection plans which chunks it reads
     cache.begin(tokens.shape[1])
-    # data: offloaded chunks this step reads move in
-    cache.store.prefetch(cache.n_sealed, cache.first_visible())
-    # each layer: write k, v into the open chunk, attend over all chunks
+    # data: the planned chunks that are off the device start moving in
+    cache.store.prefetch(cache.reads())
+    # each layer: write k, v into the open chunk, attend over the chunks it reads
     logits = model(tokens, cache, last_only=True)
     if cache.commit():  # the open chunk is full:
-        # data: it joins the window, the oldest window chunk is offloaded
+        # data: it joins the window; the chunk the placement evicts leaves the device
         cache.store.seal(cache.n_sealed - 1)
     return logits[:, -1]
 

@@ -10,8 +10,8 @@ window, host memory or disk.
 Attention of a block of queries (a prefill chunk, or one decode token) runs over
     sealed chunk 0, sealed chunk 1, ..., sealed chunk n-1, then the open chunk (causal inside it),
 one partial attention per chunk, each normalised within its chunk and carrying the log-sum-exp of
-its scores, merged in that order with weights exp(lse_chunk - lse_total). No position is dropped or
-approximated.
+its scores, merged in that order with weights exp(lse_chunk - lse_total). With the default
+selection no position is dropped or approximated.
 
 Sliding-window layers (Mistral, some Qwen2) see only the W latest positions: key k is visible from
 query q iff q - k < W. A sealed chunk wholly before every query's window is skipped (neither
@@ -26,20 +26,16 @@ on the device, came back from host memory, was decompressed, or is a view of a m
 So `--offload cpu|disk` is bit-identical to `--offload none` at the same chunk size, by
 construction; verify.py checks it on every run.
 
-How K and V sit in a chunk's bytes is a layout: PlainLayout keeps them as computed; Int8Layout
-(--kv-dtype int8) quantizes them as they are written into the open chunk and dequantizes each chunk
-right before it is attended. The store sees only a buffer of some shape and dtype, so the int8
-bytes, not the compute dtype's, cross every link.
+Which sealed chunks a step reads is the selection's call (policy.py): every visible one by
+default, fewer with --select. How K and V sit in a chunk's bytes is a layout (kvlayout.py).
 """
 import math
 
 import torch
 
+from kvlayout import chunk_layout
 from offload import TieredStore
-
-# auto: K and V kept in the compute dtype; int8: quantized per token and kv head
-KV_DTYPES = ("auto", "int8")
-
+from policy import Exact, make_selection
 
 # Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a
 # handful. On CPU the flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient
@@ -188,112 +184,25 @@ def merge_group(parts):
     return o, total
 
 
-# -----------------------------------------------------------------------------
-# chunk layouts: how K and V are laid out in a chunk's bytes; the store moves the chunk whatever
-# its shape and dtype
-
-class PlainLayout:
-    """K and V as computed: a chunk [2, B, G, C, D] in the compute dtype. write and read are views,
-    nothing else."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def shape(self, B, G, C, D):
-        return (2, B, G, C, D)
-
-    def write(self, chunk, off, k, v):
-        """k, v [B, G, T, D] into positions off..off+T-1 of the chunk."""
-        T = k.shape[2]
-        chunk[0, :, :, off:off + T] = k
-        chunk[1, :, :, off:off + T] = v
-
-    def read(self, chunk, upto):
-        """(k, v) [B, G, upto, D] of the first `upto` positions of a chunk [2, B, G, C, D]."""
-        if upto == chunk.shape[3]:
-            # a sealed chunk: two views made in one call (a visit is the hot loop)
-            return chunk.unbind(0)
-        return chunk[0, :, :, :upto], chunk[1, :, :, :upto]
-
-
-class Int8Layout:
-    """K and V quantized symmetrically, one scale per token and kv head: a uint8 chunk
-    [2, B, G, C, D + 4] whose rows are D int8 values then their fp32 scale (amax|x| / 127) as 4
-    bytes. The scales live inside the chunk so that it stays one contiguous buffer that every tier
-    moves as a unit; K and V cross every link at about half the bytes of bf16 (D=128: 132 bytes a
-    row instead of 256). fp32 scales rather than bf16 ones: exact, so that the error stays within
-    scale/2, for 2 more bytes a row; with D a multiple of 4 (every real head_dim), a row stride of
-    D + 4 keeps the scales 4-byte aligned, readable as an fp32 view without a copy.
-    Dequantized to the compute dtype chunk by chunk, right before attention: a function of the
-    stored bytes only, so every tier stays bit-identical to --offload none with the same
-    --kv-dtype."""
-
-    S = 4  # bytes of a row's scale
-
-    def __init__(self, compute_dtype):
-        self.dtype = torch.uint8              # what the store holds
-        self.compute_dtype = compute_dtype    # what attention gets
-
-    def shape(self, B, G, C, D):
-        return (2, B, G, C, D + self.S)
-
-    def write(self, chunk, off, k, v):
-        """Quantize k, v [B, G, T, D] into positions off..off+T-1 of the uint8 chunk."""
-        T, D = k.shape[2], k.shape[3]
-        x = torch.stack((k, v)).float()                               # [2, B, G, T, D]
-        tiny = torch.finfo(torch.float32).tiny
-        scale = (x.abs().amax(dim=-1, keepdim=True) / 127).clamp_min_(tiny)  # [2, B, G, T, 1]
-        q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)   # [2, B, G, T, D]
-        rows = chunk[:, :, :, off:off + T]                            # [2, B, G, T, D + 4] uint8
-        rows[..., :D] = q.view(torch.uint8)
-        rows[..., D:] = scale.view(torch.uint8)                       # [2, B, G, T, 4]: fp32 bytes
-
-    def read(self, chunk, upto):
-        """(k, v) [B, G, upto, D] in the compute dtype, dequantized from the first `upto` positions
-        of a uint8 chunk [2, B, G, C, D + 4]: K and V in one multiply."""
-        kv = chunk[:, :, :, :upto]                                    # [2, B, G, upto, D + 4]
-        D = kv.shape[-1] - self.S
-        scale = kv[..., D:]                                           # [2, B, G, upto, 4] uint8
-        aligned = D % 4 == 0 and scale.storage_offset() % 4 == 0
-        scale = (scale if aligned else scale.contiguous()).view(torch.float32)  # [2, B, G, upto, 1]
-        # int8 * fp32: one kernel; [2, B, G, upto, D]
-        x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)
-        return x[0], x[1]
-
-
-def chunk_layout(kv_dtype, dtype):
-    """The layout for --kv-dtype (auto: the compute dtype `dtype`)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    return Int8Layout(dtype) if kv_dtype == "int8" else PlainLayout(dtype)
-
-
-def kv_bytes_per_token(model_args, dtype, kv_dtype="auto"):
-    """Bytes of K and V per position, all layers, as the chunks hold them (int8: with the scales);
-    dtype is the compute dtype. What crosses a link per offloaded position."""
-    layout = chunk_layout(kv_dtype, dtype)
-    row = math.prod(layout.shape(1, model_args.n_kv_heads, 1, model_args.head_dim))
-    return model_args.n_layers * row * torch.empty((), dtype=layout.dtype).element_size()
-
-
-# partials stacked per group merge: all of a decode step's, a few of a prefill chunk's
 MERGE_GROUP_BYTES = 4 << 20
 
 
 class KVCache:
-    """Positions, the open chunk and the attention schedule; the store (offload.py) owns every byte.
+    """Positions, the open chunk and the attention schedule; the store (offload.py) owns every byte
+    and the selection (policy.py) says which sealed chunks each layer reads.
 
     A forward step of T tokens, as generate.forward runs it:
-        cache.begin(T)                   # check the step fits in the open chunk (bookkeeping only)
-        cache.store.prefetch(n_sealed)   # the store starts bringing this step's offloaded chunks
-        model(tokens, cache)             # each layer calls cache.attend(layer, q, k, v)
-        if cache.commit():               # advance; True when the open chunk is now full
-            cache.store.seal(j)          # the full chunk joins the window; the oldest is offloaded
+        cache.begin(T)                        # the step fits in the open chunk; plan its reads
+        cache.store.prefetch(cache.reads())   # the store starts bringing the planned chunks
+        model(tokens, cache)                  # each layer calls cache.attend(layer, q, k, v)
+        if cache.commit():                    # advance; True when the open chunk is now full
+            cache.store.seal(j)               # the full chunk joins the window; one may leave
     A step never crosses a chunk boundary (prefill feeds at most C tokens, aligned to chunks), so
-    each step's queries all sit in the open chunk.
+    each step's queries all sit in the open chunk. A selection that needs a layer's queries
+    (policy.Quest) decides that layer's reads inside attend, which queues them then.
     """
 
-    def __init__(self, store, layout, windows=None):
+    def __init__(self, store, layout, windows=None, selection=None):
         self.store = store
         # how K and V sit in a chunk's bytes (PlainLayout, Int8Layout)
         self.layout = layout
@@ -301,14 +210,23 @@ class KVCache:
         if windows is None:
             windows = (None,) * store.n_layers
         self.windows = tuple(windows)       # per layer: W, or None for full attention
+        self.selection = selection or Exact()
         self.length = 0                     # positions already written and committed
         self.T = 0                          # tokens of the step in flight
+        self.first = []                     # per layer: the step's first visible sealed chunk
+        self.visits = []                    # per layer: the sealed chunks it reads (None: not yet)
+        self.queued = 0                     # layers whose reads the store has been given
+        self.skipped = {"window_skipped": 0, "select_skipped": 0, "kv_read": 0}  # this step's
+        self.decode_steps = 0               # decode steps, and the sealed chunks they read
+        self.decode_chunks = 0
 
     @property
     def n_sealed(self):
         return self.length // self.chunk_size
 
     def begin(self, T):
+        """Check the step fits in the open chunk, and plan what each layer reads: the visible
+        chunks (sliding windows), then what the selection keeps of them."""
         off = self.length % self.chunk_size
         if T < 1 or off + T > self.chunk_size:
             raise ValueError(f"a step of {T} tokens at position {self.length} crosses a chunk "
@@ -318,11 +236,20 @@ class KVCache:
             raise ValueError(f"the cache holds {self.store.max_length} positions; position "
                              f"{self.length + T} is past it")
         self.T = T
+        n = self.n_sealed
+        self.first = [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
+        self.visits = [self.selection.visits(layer, first, n, T)
+                       for layer, first in enumerate(self.first)]
+        self.queued = 0
 
-    def first_visible(self):
-        """Per layer, the first sealed chunk this step can see: 0 with full attention, later with a
-        sliding window. The store prefetches from there; what lies before it is never read."""
-        return [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
+    def reads(self):
+        """The planned reads not yet given to the store, [(layer, j), ...] in attention's order:
+        layer by layer, up to the first layer whose reads wait for its queries."""
+        out = []
+        while self.queued < len(self.visits) and self.visits[self.queued] is not None:
+            out += [(self.queued, j) for j in self.visits[self.queued]]
+            self.queued += 1
+        return out
 
     def attend(self, layer, q, k, v):
         """q [B, H, T, D], k, v [B, G, T, D] at positions [length, length+T) -> attention output
@@ -334,51 +261,108 @@ class KVCache:
                              "generate.forward does")
         G = k.shape[1]
         R = H // G
-        off = self.length % self.chunk_size
+        C = self.chunk_size
+        W = self.windows[layer]
+        n = self.n_sealed
+        first = self.first[layer]
+        off = self.length % C
         kv = self.store.open_chunk(layer)                  # layout.shape(B, G, C, D), on the device
         self.layout.write(kv, off, k, v)
         # rows are (r, t) pairs: [B, H, T, D] -> [B, G, R*T, D]
         q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)
-        C, W = self.chunk_size, self.windows[layer]
+        visits = self.visits[layer]
+        if visits is None:  # the selection needs this layer's queries: decide now, fetch now
+            visits = self.selection.visits(layer, first, n, T, q)
+            self.visits[layer] = visits
+            self.store.prefetch_more(self.reads())
+        self.count(layer, first, n, len(visits))
         q_pos = None  # [R*T] row positions, for a sliding window's mask
         if W is not None:
             q_pos = self.length + torch.arange(R * T, device=q.device) % T
+        load = self.store.load  # bound once: a chunk visit is the hot loop
+        release = self.store.release
+        read = self.layout.read
+
+        def sealed_partials():
+            # every key of a sealed chunk is in the past. A row with no visible key in a chunk
+            # (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
+            for j in visits:
+                k_j, v_j = read(load(layer, j), C)  # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
+                # the edge: its first key is out of the last query's window
+                edge = W is not None and j * C <= self.length + T - 1 - W
+                visible = (visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W)
+                           if edge else None)  # [R*T, C]
+                yield attend_chunk(q, k_j, v_j, visible)
+                release(layer, j)  # its staging slot may be refilled
+
+        partials = sealed_partials()
+        if self.selection.reads_all:  # the oracle: attend every visible chunk, merge the best
+            partials = list(partials)
+            lse = torch.stack([p[1] for p in partials])    # [n, B, G, R*T, 1]
+            chosen = self.selection.choose(layer, first, n, T, lse)
+            partials = [partials[j - first] for j in chosen]
         # partials per group merge: a function of shapes only, so placement-free
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))
         state = None
         parts = []
-        load = self.store.load  # bound once: a chunk visit is the hot loop
-        release = self.store.release
-        read = self.layout.read
-        # sealed chunks: every key is in the past. A row with no visible key in a chunk (the
-        # window's edge) gets o 0 and lse -inf: the merge gives it weight 0
-        for j in range(first_visible_chunk(W, self.length, C), self.n_sealed):
-            k_j, v_j = read(load(layer, j), C)  # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
-            # the edge: its first key is out of the last query's window
-            edge = W is not None and j * C <= self.length + T - 1 - W
-            visible = (visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W)
-                       if edge else None)  # [R*T, C]
-            parts.append(attend_chunk(q, k_j, v_j, visible))
-            release(layer, j)  # its staging slot may be refilled
+        for part in partials:
+            parts.append(part)
             if len(parts) == group:
-                state, parts = merge(state, *merge_group(parts)), []
+                state = merge(state, *merge_group(parts))
+                parts = []
         parts.append(attend_open_chunk(q, *read(kv, off + T), off, R, W))  # k, v [B, G, off+T, D]
         o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
+    def count(self, layer, first, n, read):
+        """What this layer's attention reads of the n sealed chunks, and what it skips."""
+        chunk = self.store.chunk_bytes
+        self.skipped["window_skipped"] += min(first, n) * chunk
+        self.skipped["select_skipped"] += (n - first - read) * chunk
+        self.skipped["kv_read"] += read * chunk
+        if self.T == 1:
+            self.decode_chunks += read
+
     def commit(self):
         """The step's positions are written on every layer: advance. True when the open chunk is now
-        full and must be sealed (the caller does that, visibly: it moves data)."""
+        full and must be sealed (the caller does that, visibly: it moves data); its keys are
+        summarised for the selection first, while it is still the open chunk."""
         self.length += self.T
+        self.decode_steps += self.T == 1
         self.T = 0
-        return self.length % self.chunk_size == 0
+        for key, nbytes in self.skipped.items():
+            self.store.count(key, nbytes)
+            self.skipped[key] = 0
+        full = self.length % self.chunk_size == 0
+        if full and self.selection.summarizes:
+            for layer in range(self.store.n_layers):
+                self.summarize(layer, self.n_sealed - 1, self.store.open_chunk(layer))
+        return full
+
+    def summarize(self, layer, j, chunk):
+        """Hand sealed chunk j's keys to the selection (policy.Quest keeps their digest)."""
+        keys, _ = self.layout.read(chunk.to(self.store.device), self.chunk_size)  # [B, G, C, D]
+        self.selection.summarize(layer, j, keys)
+
+    def summarize_restored(self, n):
+        """Chunks 0..n-1 came back from disk (a resumed task): summarise them as if they had
+        sealed here. The same bytes give the same digests, so the resumed run selects what the
+        first run selected."""
+        if not self.selection.summarizes:
+            return
+        host = torch.empty(self.store.shape, dtype=self.store.dtype)
+        for j in range(n):
+            for layer in range(self.store.n_layers):
+                self.store.read_back(layer, j, host)
+                self.summarize(layer, j, host)
 
 
 def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None,
-               kv_dtype="auto"):
+               kv_dtype="auto", selection=None):
     """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an
-    OffloadConfig) says, K and V held as kv_dtype says (KV_DTYPES). disk_path, restore and
-    on_durable are the resume hooks of task.py (see TieredStore)."""
+    OffloadConfig) says, K and V held as kv_dtype says (KV_DTYPES), read as cfg.select chooses
+    (or `selection`, a policy.py selection of the caller's). disk_path, restore and on_durable
+    are the resume hooks of task.py (see TieredStore)."""
     model_args = model.args
     emb = model.tok_embeddings.weight
     layout = chunk_layout(kv_dtype, emb.dtype)
@@ -388,4 +372,7 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
                         dtype=layout.dtype, n_layers=model_args.n_layers, max_length=max_length,
                         device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
                         on_durable=on_durable)
-    return KVCache(store, layout, model_args.layer_windows)
+    if selection is None:
+        selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
+                                   model_args.n_layers, cfg.select_dense)
+    return KVCache(store, layout, model_args.layer_windows, selection)

@@ -11,16 +11,17 @@ Where the bytes of the KV cache live, and how they move between the tiers.
 
 A chunk is the K and V of C consecutive positions of one layer: a [2, B, G, C, D] tensor (K at [0],
 V at [1]). The store's verbs, in the order generate.forward calls them:
-    prefetch(n)   start of a step: queue every sealed chunk not on the device, in attention's order
-    open_chunk(l) the device buffer that layer l writes this step's K and V into
-    load(l, j)    chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
-    release(l, j) attention is done with it; its staging slot may be refilled
-    seal(j)       chunk j is full on every layer: it joins the window; the oldest is offloaded
-    close()       stop the workers, give back pinned memory, close the files
-Four pieces do the work: HostPool (host tier, pinned bounce buffers) and Staging (device slots
-filled ahead of attention), both in pools.py; a reader thread (disk reads, zstd); a writer thread
-(disk writes, the syncs a manifest needs), apart so that a chunk boundary never delays the next
-prefetch.
+    prefetch(reads) start of a step: queue the chunks it reads that are off the device, in order
+    open_chunk(l)   the device buffer that layer l writes this step's K and V into
+    load(l, j)      chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
+    release(l, j)   attention is done with it; its staging slot may be refilled
+    seal(j)         chunk j is full on every layer: it joins the window, and the chunk the
+                    placement (policy.py) evicts goes where the placement says
+    close()         stop the workers, give back pinned memory, close the files
+The store decides nothing about which chunks a step reads (the cache's selection does) or which
+leave the device (the placement): it moves bytes. HostPool and Staging (pools.py) hold them; a
+reader thread (disk reads, zstd) and a writer thread (disk writes, the syncs a manifest needs) move
+them, apart so that a chunk boundary never delays the next prefetch.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream
 corrupts KV silently, so every wait is marked in the code as "rule N":
@@ -31,11 +32,10 @@ corrupts KV silently, so every wait is marked in the code as "rule N":
        finished, and refilled only after the copy out of it has finished;
     5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies
        using it finish.
-Evictions (device to host) and prefetches (host to device) run on two streams, so neither queues
-behind the other. On CPU there are no streams ("device" and host are one memory): without zstd,
-host and raw disk chunks are read in place (a disk chunk is a view of the mapped file: page cache,
-not the process's memory); with zstd the reader decompresses disk chunks (and copies host chunks)
-into staging slots ahead of attention.
+Evictions and prefetches run on two streams, so neither queues behind the other. On CPU there are
+no streams ("device" and host are one memory): host and raw disk chunks are read in place (a disk
+chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
+decompresses chunks into staging slots ahead of attention.
 """
 import os
 import queue
@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
+from policy import Placement, plan_tiers
 from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda
 
 MODES = ("none", "cpu", "disk")
@@ -67,6 +68,10 @@ class OffloadConfig:
     compress: str = "none"     # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4     # chunks prefetched ahead of attention (device buffers on CUDA)
     keep_files: bool = False   # keep the task's directory after success; always kept on failure
+    # what a decode step reads (policy.py): --select, --select-budget tokens, --select-dense layers
+    select: str = "all"
+    select_budget: Optional[int] = None
+    select_dense: Optional[int] = None
 
 
 # -----------------------------------------------------------------------------
@@ -80,7 +85,7 @@ class TieredStore:
     every layer are on disk and synced, with their checksums."""
 
     def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None,
-                 restore=None, on_durable=None):
+                 restore=None, on_durable=None, placement=None):
         C = shape[3]
         if cfg.mode not in MODES or cfg.compress not in COMPRESSIONS:
             raise OffloadError(f"--offload must be one of {MODES} and --compress one of "
@@ -101,35 +106,36 @@ class TieredStore:
         self.slot_bytes = round_up(self.chunk_bytes, ALIGN)
         self.n_chunks = -(-max_length // C)  # chunks per layer for max_length
         self.window = self.n_chunks if cfg.mode == "none" else cfg.window
+        self.placement = placement or Placement()  # policy.py: which chunk leaves, and where to
+        # bytes moved between tiers, and (kvcache.py counts these) bytes of sealed chunks attention
+        # read, and skipped: outside every query's sliding window, or left out by a --select
         self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0,
-                      "window_skipped": 0}  # outside every query's sliding window: never read
+                      "kv_read": 0, "window_skipped": 0, "select_skipped": 0}
         self.count_lock = threading.Lock()
 
         # the device tier: each layer's open chunk, the window, buffers given back by evictions
         self.open = [None] * n_layers
         self.resident = {}   # (layer, j) -> device chunk [2, B, G, C, D]
+        self.on_device = [[] for _ in range(n_layers)]  # per layer: its resident j, ascending
         self.free = deque()  # (device chunk, Fence): reusable once the fence has passed
         self.loc = {}        # (layer, j) -> Loc of every sealed chunk
         self.device_buffers, self.peak_device_bytes = 0, 0
 
-        # the host tier, sized to what the task can need (the last chunk is never sealed or evicted)
-        offloaded = 0 if cfg.mode == "none" else n_layers * max(0, self.n_chunks - 1 - self.window)
-        default_budget = None if cfg.mode == "cpu" else 0  # cpu: all the task needs; disk: none
-        budget = default_budget if cfg.cpu_budget_gib is None else cfg.cpu_budget_gib
-        n_host = offloaded
-        if budget is not None:
-            n_host = min(offloaded, int(budget * 2**30) // self.slot_bytes)
-        if cfg.mode == "cpu" and n_host < offloaded:
-            raise OffloadError(f"--cpu-budget {budget} GiB holds {n_host} of the {offloaded} "
-                               f"chunks this task offloads "
-                               f"({offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, widen "
-                               "--window, or use --offload disk")
-        self.host = HostPool(n_host, shape, dtype, pin=self.cuda)
+        # the host tier, sized to what the task can need (policy.plan_tiers)
+        budget_slots = None
+        if cfg.cpu_budget_gib is not None:
+            budget_slots = int(cfg.cpu_budget_gib * 2**30) // self.slot_bytes
+        plan = plan_tiers(max_length, C, self.window, n_layers, cfg.mode, budget_slots)
+        if plan.unplaced:
+            raise OffloadError(f"--cpu-budget {cfg.cpu_budget_gib} GiB holds {plan.host} of the "
+                               f"{plan.offloaded} chunks this task offloads "
+                               f"({plan.offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, "
+                               "widen --window, or use --offload disk")
+        self.host = HostPool(plan.host, shape, dtype, pin=self.cuda)
 
         # the disk tier and two threads: the reader (prefetch) and the writer (writes, then syncs)
         self.disk = None
         self.written = {}  # (layer, j) -> future of its disk write
-        self.checksums = {}
         self.on_durable = on_durable
         self.disk_prefix = 0  # chunks < disk_prefix: on disk
         self.durable = None
@@ -162,28 +168,29 @@ class TieredStore:
             for b in self.write_bounces.slots:
                 self.bounce_free.put(b)
 
-    def _count(self, key, n):
+    def count(self, key, n):
         with self.count_lock:  # the reader, the writer and the main thread all count
             self.bytes[key] += n
 
     # ---- a step: prefetch, open_chunk, load, release ---------------------------------------------
 
-    def prefetch(self, n_sealed, first=None):
-        """Queue every chunk of this step that is not on the device, in attention's order: all
-        chunks of layer 0, then layer 1, ... so that the next layer's first chunks arrive while this
-        layer's last are attended. first[l]: layer l's first chunk that any query of the step can
-        see (sliding windows); default 0."""
+    def prefetch(self, reads):
+        """Start of a step: queue the chunks it reads, [(layer, j), ...] in attention's order (all
+        of layer 0's, then layer 1's, ...), so that the next layer's first chunks arrive while this
+        layer's last are attended. Chunks on the device need nothing."""
         st = self.staging
         while st.inflight:  # a step that failed half-way left copies in flight: let them land first
             st.inflight.popleft()[3].result()
+        st.queue.clear()
         st.free = list(range(len(st.slots) - 1, -1, -1))
-        first = first or [0] * self.n_layers
-        order = [(l, j) for l in range(self.n_layers) for j in range(first[l], n_sealed)
-                 if self.loc[(l, j)] is not DEVICE]
-        skipped = sum(min(f, n_sealed) for f in first)  # wherever they live
-        self._count("window_skipped", skipped * self.chunk_bytes)
+        self.prefetch_more(reads)
+
+    def prefetch_more(self, reads):
+        """Queue more of this step's reads, after those already queued: a layer whose selection
+        needs its own queries decides them only when it runs (policy.Quest)."""
+        order = [key for key in reads if self.loc[key] is not DEVICE]
         if self.staged:
-            st.queue = deque(order)
+            self.staging.queue.extend(order)
             self._pump()
         elif self.disk is not None and order:
             # CPU, raw disk: attention reads the mapping in place; ask the OS to page in, ahead of
@@ -222,13 +229,13 @@ class TieredStore:
             self.written[(l, j)].result()  # its write has landed (or raises its DiskError)
         if not self.cuda:  # CPU, zstd only: decompress a disk chunk straight into the slot
             if where is DISK:
-                self._count("disk_read", self.disk.read_into(l, j, dst))
+                self.count("disk_read", self.disk.read_into(l, j, dst))
             else:  # a host-pool chunk in front of a zstd disk tier (numpy copies: see disk.py)
                 as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
             return
         bounce = self.read_bounces.slots[slot]
         self.staging.ready[slot].synchronize()  # rule 4: the last copy out of this bounce is done
-        self._count("disk_read", self.disk.read_into(l, j, bounce))
+        self.count("disk_read", self.disk.read_into(l, j, bounce))
         self._copy_in(l, j, slot, bounce)
 
     def _copy_in(self, l, j, slot, src):
@@ -242,7 +249,7 @@ class TieredStore:
                 stream.wait_event(self.evicted[(l, j)])  # rule 4: the eviction into src is done
             st.slots[slot].copy_(src, non_blocking=True)
             st.ready[slot].record(stream)  # rule 2: attention waits for this before reading
-        self._count("h2d", self.chunk_bytes)
+        self.count("h2d", self.chunk_bytes)
 
     def open_chunk(self, layer):
         if self.open[layer] is None:
@@ -259,7 +266,7 @@ class TieredStore:
                 return self.host.slots[where.slot]
             self.written[key].result()  # its write must have landed in the mapping
             # read by attention itself, page cache or disk
-            self._count("disk_mapped_read", self.chunk_bytes)
+            self.count("disk_mapped_read", self.chunk_bytes)
             return self.disk.view(layer, j)
         l, jj, slot, fut = self.staging.inflight[0]  # staged (CUDA, zstd): the queue's head
         assert (l, jj) == key, f"prefetch order broken: expected {(l, jj)}, attention asked {key}"
@@ -289,10 +296,13 @@ class TieredStore:
             written.record(compute)  # rule 1: after the compute that wrote chunk j
             self.evict_stream.wait_event(written)  # rule 1: copies out wait for that compute
         for l in range(self.n_layers):
-            self.resident[(l, j)], self.open[l] = self.open[l], None
+            self.resident[(l, j)] = self.open[l]
+            self.open[l] = None
             self.loc[(l, j)] = DEVICE
-            if j - self.window >= 0 and self.loc.get((l, j - self.window)) is DEVICE:
-                self.offload(l, j - self.window)
+            self.on_device[l].append(j)
+            victim = self.placement.evict(l, self.on_device[l], self.window)
+            if victim is not None:
+                self.offload(l, victim)
         if self.durable is not None and self.durable.done() and self.durable.exception():
             # the last manifest could not be written: the disk tier is failing
             raise self.durable.exception()
@@ -303,10 +313,14 @@ class TieredStore:
                 self.durable = self.writer.submit(self._durable, self.disk_prefix)
 
     def offload(self, l, j):
-        """Move chunk (l, j) off the device: to the host pool while it has room, else to disk."""
+        """Move chunk (l, j) off the device, to the tier the placement names."""
+        tier = self.placement.place(l, j, bool(self.host.free), self.disk is not None)
+        if tier is None:
+            raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
         kv = self.resident.pop((l, j))
+        self.on_device[l].remove(j)
         fence = Fence()
-        if self.host.free:
+        if tier == "host":
             slot = self.host.free.pop()
             if self.cuda:
                 with torch.cuda.stream(self.evict_stream):
@@ -315,27 +329,24 @@ class TieredStore:
             else:
                 self.host.slots[slot].copy_(kv)
             self.loc[(l, j)] = Loc("host", slot)
-            self._count("d2h", self.chunk_bytes)
-        elif self.disk is not None:
+            self.count("d2h", self.chunk_bytes)
+        else:
             if self.cuda:
                 bounce = self.bounce_free.get()  # blocks while every bounce awaits its disk write
                 with torch.cuda.stream(self.evict_stream):
                     bounce.copy_(kv, non_blocking=True)
                     fence.event = self._event(self.evict_stream)
-                self._count("d2h", self.chunk_bytes)
+                self.count("d2h", self.chunk_bytes)
                 self.written[(l, j)] = self.writer.submit(self._write_from_bounce, l, j, bounce,
                                                           fence.event)
             else:
                 fence.future = self.written[(l, j)] = self.writer.submit(self._write, l, j, kv)
             self.loc[(l, j)] = DISK
-        else:
-            raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
         self.free.append((kv, fence))
 
     def _write(self, l, j, src):
-        """Writer thread: store one chunk, remember its checksum for the manifest."""
-        n, self.checksums[(l, j)] = self.disk.write(l, j, src)
-        self._count("disk_write", n)
+        """Writer thread: store one chunk (the disk tier keeps its checksum for the manifest)."""
+        self.count("disk_write", self.disk.write(l, j, src))
 
     def _write_from_bounce(self, l, j, bounce, copied):
         try:
@@ -349,25 +360,13 @@ class TieredStore:
         """Writer thread, after the writes of chunks < n (FIFO): sync them, then report them with
         checksums."""
         self.disk.flush()
-        layers = range(self.n_layers)
-        chunks = {}
-        for j in range(n):
-            blobs = [self.disk.index[(l, j)] for l in layers] if self.disk.index else None
-            chunks[j] = {"crc": [self.checksums[(l, j)] for l in layers], "blob": blobs}
-        self.on_durable(n, chunks)
+        self.on_durable(n, self.disk.vouch(n))
 
     def restore(self, n, chunks):
         """Adopt chunks 0..n-1 left on disk by an interrupted run, checking each against its
         manifest checksum. Returns how many chunks were restored: the prefix before the first
         missing or corrupt one."""
-        for j in range(n):
-            c = chunks.get(str(j)) or chunks.get(j)
-            crcs = [self.disk.checksum(l, j) for l in range(self.n_layers)] if c else None
-            if not c or crcs != c["crc"]:
-                n = j
-                break
-            for l, crc in enumerate(crcs):  # the next manifest vouches for the restored chunks too
-                self.checksums[(l, j)] = crc
+        n = self.disk.verify_prefix(n, chunks)
         done = Future()
         done.set_result(None)
         for l in range(self.n_layers):
