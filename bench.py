@@ -4,7 +4,7 @@ same checkpoint, beside a prediction made from this machine's own measured costs
 
     python bench.py --ckpt DIR --contexts 1024,4096,8192 --modes none,cpu,disk,disk+zstd --vs-hf --json out.json
     python bench.py --random-model 7b-like --layers 4 --dtype bf16 --contexts 4096,16384 --modes none,disk
-    python bench.py --probe --offload-dir /mnt/nvme/kv    # what this machine can move, and what offload will cost
+    python probe.py --offload-dir /mnt/nvme/kv            # what this machine can move, and what offload will cost
     python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question about a document: cold vs warm TTFT
     bash scripts/gpu_check.sh OUT_DIR                     # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
@@ -38,23 +38,26 @@ from cli import (
     DTYPES,
     MODE_SPECS,
     UsageError,
-    add_common_flags,
-    check_common,
+    add_measure_flags,
+    check_measure,
+    one_line_errors,
     quantize_mode,
     read_model_args,
     rope_override,
 )
 from disk import DiskError
-from kvcache import kv_bytes_per_token
 from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
-from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec
+from random_model import build_random_checkpoint
 from task import run_task
 from taskdir import TaskDirError
+
+ALIASES = ("aliases: python bench.py --tune ... runs python tune.py ..., and python bench.py --probe ... runs "
+           "python probe.py ...")
 
 # -----------------------------------------------------------------------------
 # the runs: ours, and transformers' on the same checkpoint, prompt and dtype
@@ -263,75 +266,38 @@ def markdown(rows, hf_rows):
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog=ALIASES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_flags(p, chunk_size=512, window=1, ckpt_help="Hugging Face checkpoint directory (default: the demo "
-                     "model in assets/); with --random-model, a new directory to write the random model to "
-                     "(default: a temporary one)")  # window 1: nearly all the context offloaded, the worst case
-    p.add_argument("--random-model", metavar="SPEC", help=f"bench a random model: a preset {sorted(PRESETS)} and/or "
-                   "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
-    p.add_argument("--layers", type=int, help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
-    p.add_argument("--contexts", default="1024,4096,8192", help="prompt lengths, comma separated (default 1024,4096,8192)")
-    p.add_argument("--modes", default="none,cpu,disk,disk+zstd", help=f"comma list of {list(MODE_SPECS)} (default all)")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per run (default 32)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each context and mode, medians reported (default 3)")
-    p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
-    p.add_argument("--fresh-process", action="store_true", help="run each context and mode, ours and transformers', "
-                   "once in a process of its own, cold (default: all in this process, after a warm-up)")
+    add_measure_flags(p, "bench")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each context and mode, medians reported (default 3)")
+    p.add_argument("--vs-hf", action="store_true",
+                   help="also run transformers (DynamicCache; on CUDA also offloaded)")
+    p.add_argument("--fresh-process", action="store_true", help="run each context and mode, ours and "
+                   "transformers', once in a process of its own, cold (default: all in this process, after a "
+                   "warm-up)")
     p.add_argument("--child-run", help=argparse.SUPPRESS)  # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
-    p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
-    p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
-    p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit (decode at "
-                   "the largest --contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
-    p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the offload mode "
-                   "of the cold and warm runs (default none)")
-    p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
-    p.add_argument("--tune", action="store_true", help="pick chunk size, window, tier, zstd and staging slots for "
-                   "one --context within --device-budget and --cpu-budget (tune.py; its flags: bench.py --tune -h)")
-
-    def one_line_error(message):
-        print(f"bench.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    p.error = one_line_error
-    return p
+    p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit "
+                   "(decode at the largest --contexts with chunk 64 against 4096), and on CUDA the kernels per "
+                   "visit")
+    p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the "
+                   "offload mode of the cold and warm runs (default none)")
+    return one_line_errors(p)
 
 
 def check(args):
     """Every flag, before any heavy work. Returns (contexts, modes)."""
-    if args.tune:  # handed over to tune.py by the script entry below, before this parser runs
-        raise UsageError("--tune is the command line's: run python bench.py --tune ..., or call tune.main(argv)")
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    except ValueError:
-        raise UsageError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not contexts or min(contexts) < 1:
-        raise UsageError(f"--contexts must be positive token counts, got {args.contexts!r}")
-    if not modes or any(m not in MODE_SPECS for m in modes):
-        raise UsageError(f"--modes: {args.modes!r} is not a comma list of {list(MODE_SPECS)}")
-    if min(args.new_tokens - 1, args.repeats, args.probe_mib // 8) < 1:
-        raise UsageError("--new-tokens must be >= 2, --repeats >= 1 and --probe-mib >= 8")
-    if args.layers is not None and (args.layers < 1 or not args.random_model):
-        raise UsageError("--layers goes with --random-model and must be >= 1")
-    check_common(args, needs_disk=True)  # the disk tier, the probe's scratch files
-    for flag, name, needed in (("--vs-hf", "transformers", args.vs_hf and not args.probe),
-                               ("--modes disk+zstd", "zstandard", "disk+zstd" in modes and not args.probe)):
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise UsageError("--new-tokens must be >= 2 and --repeats >= 1")
+    contexts, modes = check_measure(args, "bench")
+    needed = {"--vs-hf": ("transformers", args.vs_hf),
+              "--modes disk+zstd": ("zstandard", "disk+zstd" in modes)}
+    for flag, (package, wanted) in needed.items():
         try:
-            needed and __import__(name)
+            if wanted:
+                __import__(package)
         except ImportError:
-            raise UsageError(f"{flag} needs the {name} package: pip install {name}") from None
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise UsageError(f"--json {args.json}: its directory does not exist")
-    if args.random_model:
-        try:
-            args.sizes = parse_model_spec(args.random_model, args.layers)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the new "
-                             "model; give a new directory, or drop --random-model to bench the model already there")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
+            raise UsageError(f"{flag} needs the {package} package: pip install {package}") from None
     return contexts, modes
 
 
@@ -356,19 +322,10 @@ def main(argv=None):
             return 0
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
-        hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not (args.probe or args.fresh_process) else None
+        hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not args.fresh_process else None
         machine, cuda = probe.environment(args.device), is_cuda(args.device)
-        config = {k: v for k, v in vars(args).items() if k != "sizes"} | {
-            "contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_bytes_per_token(margs, dt, args.kv_dtype),
-            "model": dict(zip(SIZE_KEYS, (margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.head_dim,
-                                          margs.hidden_dim, margs.vocab_size)))}
-        if args.probe:
-            cal = median_of([calibrate(model, args, contexts, modes, disk=r == 0) for r in range(args.repeats)])
-            print(probe.report(machine, cal, args, margs, contexts, modes, cuda))
-            report = {"machine": machine, "config": config, "calibration": cal,
-                      "verdict": probe.verdict(cal, args, margs, contexts, modes, cuda),
-                      "predicted": {c: {m: predict_decode(cal, c, m, args, margs, cuda) for m in modes} for c in contexts}}
-        elif args.visit_cost:  # the fixed cost of a chunk visit (and on CUDA its kernels), median of --repeats
+        config = probe.describe(args, margs, contexts, modes)
+        if args.visit_cost:  # the fixed cost of a chunk visit (and on CUDA its kernels), median of --repeats
             ctx = max(contexts)
             cost = statistics.median(probe.visit_cost_s(model, ctx) for _ in range(args.repeats))
             report = {"machine": machine, "config": config, "visit_cost_s": cost,
@@ -405,7 +362,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "--tune" in sys.argv[1:]:  # the tuner (tune.py, built on this file) has flags of its own: one context, budgets
+    # the aliases: the tuner and the probe are commands of their own, with flags of their own
+    if "--tune" in sys.argv[1:]:
         import tune
         sys.exit(tune.main([a for a in sys.argv[1:] if a != "--tune"]))
+    if "--probe" in sys.argv[1:]:
+        sys.exit(probe.main([a for a in sys.argv[1:] if a != "--probe"]))
     sys.exit(main())

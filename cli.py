@@ -28,6 +28,7 @@ from offload import COMPRESSIONS, MODES, OffloadConfig
 from pools import OffloadError
 from progress import Progress
 from quantize import kernel_status
+from random_model import PRESETS, parse_model_spec
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
 from taskdir import TaskDirError, model_fingerprint
@@ -174,6 +175,69 @@ def run_fingerprint(ckpt, args):
     store never mix runs that differ in any of them."""
     return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype, rope=rope_override(args),
                                    quantize=quantize_mode(args), kv_dtype=None if args.kv_dtype == "auto" else args.kv_dtype)
+
+
+# -----------------------------------------------------------------------------
+# flags and checks shared by bench.py and probe.py: the model to measure, at which contexts, in which modes
+
+def add_measure_flags(p, verb):
+    """The flags of a measurement: the model (a checkpoint, or a random one of a given shape), the prompt
+    lengths, the offload modes and the tokens decoded per run. verb: what the script does ("bench")."""
+    ckpt_help = ("Hugging Face checkpoint directory (default: the demo model in assets/); with --random-model, "
+                 "a new directory to write the random model to (default: a temporary one)")
+    # window 1: nearly all the context offloaded, the worst case
+    add_common_flags(p, chunk_size=512, window=1, ckpt_help=ckpt_help)
+    p.add_argument("--random-model", metavar="SPEC", help=f"{verb} a random model: a preset "
+                   f"{sorted(PRESETS)} and/or dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
+    p.add_argument("--layers", type=int,
+                   help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
+    p.add_argument("--contexts", default="1024,4096,8192",
+                   help="prompt lengths, comma separated (default 1024,4096,8192)")
+    p.add_argument("--modes", default="none,cpu,disk,disk+zstd",
+                   help=f"comma list of {list(MODE_SPECS)} (default all)")
+    p.add_argument("--new-tokens", type=int, default=32,
+                   help="greedy tokens generated per run (default 32)")
+    p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
+
+
+def check_measure(args, verb):
+    """The checks behind add_measure_flags (--new-tokens aside, checked with --repeats by each script),
+    before any heavy work. Returns (contexts, modes)."""
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    except ValueError:
+        raise UsageError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not contexts or min(contexts) < 1:
+        raise UsageError(f"--contexts must be positive token counts, got {args.contexts!r}")
+    if not modes or any(m not in MODE_SPECS for m in modes):
+        raise UsageError(f"--modes: {args.modes!r} is not a comma list of {list(MODE_SPECS)}")
+    if args.layers is not None and (args.layers < 1 or not args.random_model):
+        raise UsageError("--layers goes with --random-model and must be >= 1")
+    check_common(args, needs_disk=True)  # the disk tier, the probe's scratch files
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise UsageError(f"--json {args.json}: its directory does not exist")
+    if args.random_model:
+        try:
+            args.sizes = parse_model_spec(args.random_model, args.layers)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
+            raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write "
+                             f"the new model; give a new directory, or drop --random-model to {verb} the "
+                             "model already there")
+    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
+        raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
+    return contexts, modes
+
+
+def one_line_errors(p):
+    """argparse's own errors (an unknown flag, a bad choice) as ours are: one line on stderr, exit code 2."""
+    def error(message):
+        print(f"{p.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+    p.error = error
+    return p
 
 
 # -----------------------------------------------------------------------------

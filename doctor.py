@@ -1,8 +1,7 @@
 """
-The troubleshooting chains of KV offload, checked on this machine for one configuration: `python verify.py --diagnose`.
+The troubleshooting chains of KV offload, checked on this machine for one configuration.
 
-    python verify.py --diagnose --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \
-        --context 32768
+    python doctor.py --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv --context 32768
 
 One line per symptom, in the order users meet them, "ok" or "FOUND" with the cause and the flag that fixes it:
     device memory never changes (offload not in effect): a context that fits in the window (window >= context in
@@ -27,7 +26,15 @@ import torch
 import probe
 import verify
 from checkpoint import CheckpointError
-from cli import DEMO_CKPT, DTYPES, UsageError, add_common_flags, check_common, read_model_args
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    UsageError,
+    add_common_flags,
+    check_common,
+    one_line_errors,
+    read_model_args,
+)
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
@@ -239,7 +246,8 @@ def check_link(a, model, margs, skip):
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="verify.py --diagnose", description=__doc__,
+    p = argparse.ArgumentParser(prog="doctor.py", description=__doc__,
+                                epilog="alias: python verify.py --diagnose ... runs python doctor.py ...",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=512, window=4)
     p.add_argument("--offload", choices=MODES, default="disk", help="the tier to diagnose (default %(default)s)")
@@ -250,12 +258,7 @@ def build_parser():
                    "against (default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens of the short run (default %(default)s)")
     p.add_argument("--probe-mib", type=int, default=64, help="size of the disk test file (default %(default)s MiB)")
-
-    def one_line_error(message):
-        print(f"verify.py --diagnose: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    p.error = one_line_error
-    return p
+    return one_line_errors(p)
 
 
 def main(argv=None):
@@ -279,7 +282,7 @@ def main(argv=None):
             torch.set_num_threads(a.threads)
         model = Transformer.from_pretrained(a.ckpt, device=a.device if device_ok else "cpu", dtype=DTYPES[a.dtype])
     except (UsageError, CheckpointError) as e:
-        print(f"verify.py --diagnose: error: {e}", file=sys.stderr)
+        print(f"doctor.py: error: {e}", file=sys.stderr)
         return 2
     findings = [check_config(a, margs), *check_dir(a), check_budget(a, margs), *check_torch(a)]
     blocked = next((cause for found, symptom, cause, _ in findings if found and symptom == "offload dir writable"),

@@ -1,6 +1,8 @@
 """
-What this machine can move, and what offload will cost on it: the probe behind `python bench.py --probe`, and the
-prediction that bench.py prints beside every measured decode speed.
+What this machine can move, and what offload will cost on it: the probe, and the prediction that bench.py prints
+beside every measured decode speed.
+
+    python probe.py --offload-dir /mnt/nvme/kv --contexts 4096,32768
 
 It measures the software (torch, CUDA, devices), the copy links (CUDA: pinned and pageable H2D and D2H, both at
 once; CPU: host memcpy), the disk of the offload dir around the page cache, zstd on the model's own KV, and a
@@ -9,19 +11,40 @@ no prefill is needed), and the worker-thread round trip each staged chunk pays. 
 bytes per token, predict_decode() predicts decode tokens/s for each mode and context; verdict() says in words
 whether offload will pay here.
 """
+import argparse
+import json
 import mmap
 import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from cli import DTYPES
+from checkpoint import CheckpointError
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    UsageError,
+    add_measure_flags,
+    check_measure,
+    one_line_errors,
+    quantize_mode,
+    read_model_args,
+    rope_override,
+)
+from disk import DiskError
 from generate import decode_one_token, prefill
 from kvcache import kv_bytes_per_token, make_cache
+from model import Transformer
 from offload import OffloadConfig
+from pools import OffloadError
+from random_model import SIZE_KEYS, build_random_checkpoint
+from taskdir import TaskDirError
 
 GB = 1e9
 
@@ -53,6 +76,16 @@ def environment(device):
         free, total = torch.cuda.mem_get_info(torch.device(device) if is_cuda(device) else 0)
         env["device_free_gib"], env["device_total_gib"] = round(free / 2**30, 1), round(total / 2**30, 1)
     return env
+
+
+def describe(args, model_args, contexts, modes):
+    """The configuration a JSON report carries: every flag, the model's shape and its KV bytes per token."""
+    shape = (model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
+             model_args.head_dim, model_args.hidden_dim, model_args.vocab_size)
+    kv_per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype)
+    flags = {k: v for k, v in vars(args).items() if k != "sizes"}
+    return flags | {"contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_per_token,
+                    "model": dict(zip(SIZE_KEYS, shape))}
 
 
 def link_bandwidth(device, nbytes=256 << 20):
@@ -355,8 +388,66 @@ def report(machine, cal, args, margs, contexts, modes, cuda):
     return "\n".join(lines + [""] + verdict(cal, args, margs, contexts, modes, cuda))
 
 
-if __name__ == "__main__":  # the probe's command line is bench.py's: `python probe.py ...` is `bench.py --probe ...`
-    import sys
+# -----------------------------------------------------------------------------
+# command line
 
-    import bench
-    sys.exit(bench.main(["--probe", *sys.argv[1:]]))
+def build_parser():
+    p = argparse.ArgumentParser(prog="probe.py", description=__doc__,
+                                epilog="alias: python bench.py --probe ... runs python probe.py ...",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_measure_flags(p, "probe")
+    p.add_argument("--repeats", type=int, default=3, help="calibrations, element-wise medians reported; the "
+                   "disk is measured in the first (default 3)")
+    p.add_argument("--probe-mib", type=int, default=512,
+                   help="size of the probe's disk test file (default 512 MiB)")
+    return one_line_errors(p)
+
+
+def check(args):
+    """Every flag, before any heavy work. Returns (contexts, modes)."""
+    if min(args.new_tokens - 1, args.repeats, args.probe_mib // 8) < 1:
+        raise UsageError("--new-tokens must be >= 2, --repeats >= 1 and --probe-mib >= 8")
+    return check_measure(args, "probe")
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    tmp = None
+    try:
+        contexts, modes = check(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        dtype = DTYPES[args.dtype]
+        if args.random_model:
+            tmp = None if args.ckpt else tempfile.mkdtemp(prefix="probe-model-")
+            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
+        args.ckpt = args.ckpt or DEMO_CKPT
+        model_args = read_model_args(args.ckpt)
+        if max(contexts) + args.new_tokens > model_args.max_context:
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the "
+                             f"model's maximum context of {model_args.max_context} positions")
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
+                                            rope_override=rope_override(args), quantize=quantize_mode(args))
+        machine = environment(args.device)
+        cuda = is_cuda(args.device)
+        cals = [calibrate(model, args, contexts, modes, disk=r == 0) for r in range(args.repeats)]
+        cal = median_of(cals)
+    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
+        print(f"probe.py: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(report(machine, cal, args, model_args, contexts, modes, cuda))
+    if args.json:
+        predicted = {ctx: {m: predict_decode(cal, ctx, m, args, model_args, cuda) for m in modes}
+                     for ctx in contexts}
+        out = {"machine": machine, "config": describe(args, model_args, contexts, modes), "calibration": cal,
+               "verdict": verdict(cal, args, model_args, contexts, modes, cuda), "predicted": predicted}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

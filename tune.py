@@ -1,8 +1,8 @@
 """
-The tuner behind `python bench.py --tune`: the chunk size, window, tier, compression and staging slots that decode
+The tuner: the chunk size, window, tier, compression and staging slots that decode
 fastest at one context within a budget of device memory and one of host memory, measured on this machine.
 
-    python bench.py --tune --ckpt DIR --context 8192 --device-budget 0.008 --cpu-budget 0.026 --threads 1
+    python tune.py --ckpt DIR --context 8192 --device-budget 0.008 --cpu-budget 0.026 --threads 1
 
 It follows the order in which KV offload is usually tuned, one knob per step:
     1. chunk size (128 to 1024, up to the context): larger = fewer, larger transfers and chunk visits per step, more
@@ -39,6 +39,7 @@ from cli import (
     UsageError,
     add_common_flags,
     check_common,
+    one_line_errors,
     quantize_mode,
     read_model_args,
     remove_if_empty,
@@ -304,7 +305,8 @@ def steps(cands, rec, margs, args):
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench.py --tune", description=__doc__,
+    p = argparse.ArgumentParser(prog="tune.py", description=__doc__,
+                                epilog="alias: python bench.py --tune ... runs python tune.py ...",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=None, window=None, ckpt_help="Hugging Face checkpoint directory (default: the "
                      "demo model in assets/); with --random-model, a new directory to write it to (default: a "
@@ -324,17 +326,12 @@ def build_parser():
                    "(default %(default)s)")
     p.add_argument("--random-model", metavar="SPEC", help=f"tune a random model: a preset {sorted(PRESETS)} "
                    "and/or dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
-
-    def one_line_error(message):
-        print(f"bench.py --tune: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    p.error = one_line_error
-    return p
+    return one_line_errors(p)
 
 
 def check(args):
     if args.chunk_size is not None or args.window is not None or args.staging_slots != OffloadConfig.staging_slots:
-        raise UsageError("--chunk-size, --window and --staging-slots are what --tune picks; give --chunk-sizes")
+        raise UsageError("--chunk-size, --window and --staging-slots are what tune.py picks; give --chunk-sizes")
     try:
         sizes = sorted({int(x) for x in args.chunk_sizes.split(",") if x.strip()})
     except ValueError:
@@ -383,7 +380,7 @@ def main(argv=None):
         cands = search(model, margs, args, log)
         rec, fastest, why = choose(cands, args)
     except (ValueError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:  # ValueError: UsageError too
-        print(f"bench.py --tune: error: {e}", file=sys.stderr)
+        print(f"tune.py: error: {e}", file=sys.stderr)
         return 2
     finally:
         if getattr(args, "created_offload_dir", False):

@@ -77,6 +77,7 @@ def compare(base, other):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__,
+                                epilog="alias: python verify.py --diagnose ... runs python doctor.py ...",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=64, window=2)
     p.add_argument("--prompt-file", help="UTF-8 prompt (default: pages of Python's reference manual)")
@@ -84,13 +85,9 @@ def main(argv=None):
     p.add_argument("--modes", default="cpu,disk,disk+zstd", help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048, help="truncate the prompt to this many tokens")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--diagnose", action="store_true", help="check the troubleshooting chains for one configuration "
-                   "instead (doctor.py; its flags: verify.py --diagnose -h)")
     args = p.parse_args(argv)
     layout = None
     try:
-        if args.diagnose:  # handed over to doctor.py by the script entry below, before this parser runs
-            raise UsageError("--diagnose is the command line's: run python verify.py --diagnose ..., or doctor.main()")
         layout = launch.start(args.tp, args.device)  # under torchrun: every rank verifies its own share
         args.device = str(layout.device)
         args.ckpt = args.ckpt or DEMO_CKPT
@@ -194,7 +191,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "--diagnose" in sys.argv[1:]:  # the troubleshooting chains (doctor.py, built on this file) take their own flags
+    if "--diagnose" in sys.argv[1:]:  # the alias: the troubleshooting chains are a command of their own
         import doctor
         sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
     sys.exit(main())
