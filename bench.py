@@ -164,7 +164,10 @@ def make_prompts(vocab_size, contexts):
 def run_fresh(args, mode, ctx, new):
     """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs
     once, no warm-up)."""
-    keep = ("ckpt", "device", "dtype", "chunk_size", "window", "offload_dir", "contexts", "threads")
+    # every flag that shapes a run: the child must run what this process would have run
+    keep = ("ckpt", "device", "dtype", "quantize", "kv_dtype", "chunk_size", "window",
+            "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
+            "rope_orig_ctx", "contexts", "new_tokens", "threads")
     flags = []
     for k in keep:
         if getattr(args, k) is not None:
@@ -183,7 +186,9 @@ def child_run(args, contexts, vocab_size, dtype):
     if mode.startswith("hf"):
         hf = load_hf(args.ckpt, device=args.device, dtype=dtype)
         return run_hf(hf, ids, int(new), args.device, mode == "hf-offloaded")
-    model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype)
+    model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
+                                        rope_override=rope_override(args),
+                                        quantize=quantize_mode(args))
     return run_ours(model, ids, args, mode, f"fresh_{os.getpid()}", int(new))
 
 
