@@ -409,7 +409,7 @@ def main(argv=None):
             tmp = None if args.ckpt else tempfile.mkdtemp(prefix="bench-model-")
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
-        model_args = read_model_args(args.ckpt)
+        model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is "
                              f"past the model's maximum context of {model_args.max_context} "

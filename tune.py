@@ -45,6 +45,7 @@ from cli import (
     quantize_mode,
     read_model_args,
     remove_if_empty,
+    rope_override,
 )
 from disk import ALIGN, DiskError, round_up
 from kvcache import kv_bytes_per_token
@@ -319,6 +320,12 @@ def command(c, args):
     if c.offload == "disk":
         cmd += ["--offload-dir", args.offload_dir]
     cmd += ["--device", args.device, "--dtype", args.dtype]
+    if args.quantize != "none":
+        cmd += ["--quantize", args.quantize]
+    if args.rope_scaling:
+        cmd += ["--rope-scaling", args.rope_scaling, "--rope-factor", args.rope_factor]
+    if args.rope_orig_ctx:
+        cmd += ["--rope-orig-ctx", args.rope_orig_ctx]
     if args.threads:
         cmd += ["--threads", args.threads]
     if args.kv_dtype != "auto":
@@ -498,12 +505,13 @@ def main(argv=None):
             args.ckpt = build_random_checkpoint(args.sizes, out_dir, dtype, args.device)
             log(f"random model written to {args.ckpt} (kept: the command below uses it)")
         args.ckpt = args.ckpt or DEMO_CKPT
-        model_args = read_model_args(args.ckpt)
+        model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if args.context + args.new_tokens > model_args.max_context:
             raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} is "
                              f"past the model's maximum context of {model_args.max_context} "
                              "positions")
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
+                                            rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
         # the budgets' defaults: see the flags' help
         if probe.is_cuda(args.device):
