@@ -74,8 +74,8 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "succeeds (default %(default)s, removed too if left empty)")
     p.add_argument("--cpu-budget", type=float,
                    help="GiB of host memory for offloaded chunks: with --offload cpu the host "
-                   "tier's size (default: all the task needs); with --offload disk a host tier in "
-                   "front of the disk, filled first (default 0; resume covers the disk chunks "
+                   "tier's size (default: all the task needs); with --offload disk a host tier "
+                   "in front of the disk, filled first (default 0; resume covers the disk chunks "
                    "only)")
     p.add_argument("--staging-slots", type=int, default=OffloadConfig.staging_slots,
                    help="chunks prefetched ahead of attention, device buffers (used on CUDA, and "
@@ -229,9 +229,9 @@ def one_line_errors(p):
 def add_measure_flags(p, verb):
     """The flags of a measurement: the model (a checkpoint, or a random one of a given shape), the
     prompt lengths, the offload modes and the tokens decoded per run. verb: what the script does."""
-    ckpt_help = ("Hugging Face checkpoint directory (default: the demo model in assets/); with "
-                 "--random-model, a new directory to write the random model to (default: a "
-                 "temporary one)")
+    ckpt_help = ("Hugging Face checkpoint directory (default: the demo model in assets/); "
+                 "with --random-model, a new directory to write the random model to "
+                 "(default: a temporary one)")
     # window 1: nearly all the context offloaded, the worst case
     add_common_flags(p, chunk_size=512, window=1, ckpt_help=ckpt_help)
     p.add_argument("--random-model", metavar="SPEC",
@@ -289,8 +289,8 @@ def build_parser():
     add_common_flags(p, None, None)
     for action in p._actions:  # the demo and a real checkpoint differ in these defaults: say both
         if action.dest == "chunk_size":
-            action.help = ("positions per KV chunk, the unit of transfer (default 512; 16 in the "
-                           "demo)")
+            action.help = ("positions per KV chunk, the unit of transfer "
+                           "(default 512; 16 in the demo)")
         elif action.dest == "window":
             action.help = "sealed chunks per layer kept on the device (default 4; 1 in the demo)"
     g = p.add_mutually_exclusive_group()
@@ -403,14 +403,14 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
         raise UsageError("the prompt is empty; give --prompt or --prompt-file with some text")
     cap = args.max_length if args.max_length is not None else limit
     if cap > limit:
-        raise UsageError(f"--max-length {cap} is past the model's maximum context of {limit} "
-                         "positions")
+        raise UsageError(f"--max-length {cap} is past the model's maximum context of "
+                         f"{limit} positions")
     # past the trained context: say how to go on, on purpose
     if n_prompt >= limit and args.max_length is None:
         raise UsageError(context_refusal(n_prompt + 1, model_args))
     if n_prompt >= cap:
-        raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length {cap}; "
-                         "shorten it")
+        raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length "
+                         f"{cap}; shorten it")
     asked = max_new_tokens or args.max_new_tokens
     if asked and asked > cap - n_prompt and warn:
         where = "--max-length" if args.max_length else "model's context"

@@ -119,8 +119,8 @@ def check_config(args, model_args):
     # the largest power of two that gives at least W + 2 chunks
     smaller = 1 << max(0, (args.context // (W + 2)).bit_length() - 1)
     if n == 1:
-        cause = (f"--chunk-size {C} is as large as the context ({args.context} tokens): one chunk, "
-                 "never sealed")
+        cause = (f"--chunk-size {C} is as large as the context ({args.context} tokens): "
+                 "one chunk, never sealed")
     else:
         cause = (f"the context ({args.context} tokens = {n} chunks of {C}) fits in --window {W} "
                  "plus the open chunk")
@@ -265,8 +265,8 @@ def check_run(args, model, model_args, skip):
     elif args.dtype != "fp32":
         likely = f"--dtype {args.dtype}: precision mixed across tiers"
     else:
-        likely = ("a chunk stitched in at the wrong position, or read from a stale slot (a missing "
-                  "stream wait)")
+        likely = ("a chunk stitched in at the wrong position, or read from a stale slot "
+                  "(a missing stream wait)")
     cause = f"step {step} ({phase}, position {pos}): {what}; likely cause: {likely}"
     out.append((True, same, cause, "--offload none until fixed; report it with python verify.py"))
     return out

@@ -531,9 +531,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is "
-                             f"past the model's maximum context of {model_args.max_context} "
-                             "positions")
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
+                             "is past the model's maximum context of "
+                             f"{model_args.max_context} positions")
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

@@ -274,8 +274,8 @@ def choose(cands, args):
           if c.runs and max(c.kv["device"], c.measured("device_kv_bytes")) <= dev
           and c.kv["host"] <= host]
     if not ok:
-        raise UsageError("no configuration fits --device-budget and --cpu-budget; raise one of "
-                         "them")
+        raise UsageError("no configuration fits --device-budget and --cpu-budget; "
+                         "raise one of them")
     fastest = max(ok, key=decode_speed)
     ties = [c for c in ok if decode_speed(c) >= (1 - TIE) * decode_speed(fastest)]
     rec = min(ties, key=preference)
@@ -285,8 +285,8 @@ def choose(cands, args):
         why = (f"the fastest measured decode ({decode_speed(rec):,.1f} tok/s) of {len(ok)} "
                "configurations within the budgets")
         if others:
-            why += (f"; within {TIE:.0%} of it: {others} tok/s, none with a smaller device "
-                    "footprint")
+            why += (f"; within {TIE:.0%} of it: {others} tok/s, "
+                    "none with a smaller device footprint")
         return rec, fastest, why
     if rec.kv["device"] < fastest.kv["device"]:
         reason = f"{(fastest.kv['device'] - rec.kv['device']) / MiB:.2f} MiB less KV on the device"
@@ -435,8 +435,8 @@ def build_parser():
         if action.dest in ("chunk_size", "window", "staging_slots"):
             action.help = argparse.SUPPRESS  # what the tuner picks
         elif action.dest == "cpu_budget":
-            action.help = ("GiB of host memory the offloaded KV may take (default: half of "
-                           "MemAvailable)")
+            action.help = ("GiB of host memory the offloaded KV may take "
+                           "(default: half of MemAvailable)")
     p.add_argument("--device-budget", type=float,
                    help="GiB of KV the device may hold (default: CUDA, 90%% of its free memory "
                    "after the weights; CPU, half of MemAvailable)")
@@ -457,8 +457,8 @@ def build_parser():
 def check(args):
     picked = args.chunk_size is not None or args.window is not None
     if picked or args.staging_slots != OffloadConfig.staging_slots:
-        raise UsageError("--chunk-size, --window and --staging-slots are what tune.py picks; give "
-                         "--chunk-sizes")
+        raise UsageError("--chunk-size, --window and --staging-slots are what tune.py "
+                         "picks; give --chunk-sizes")
     try:
         sizes = sorted({int(x) for x in args.chunk_sizes.split(",") if x.strip()})
     except ValueError:
@@ -507,9 +507,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if args.context + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} is "
-                             f"past the model's maximum context of {model_args.max_context} "
-                             "positions")
+            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} "
+                             "is past the model's maximum context of "
+                             f"{model_args.max_context} positions")
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

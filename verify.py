@@ -126,8 +126,8 @@ def main(argv=None):
         kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
-            raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt cannot be "
-                             "encoded")
+            raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt "
+                             "cannot be encoded")
         try:
             if args.prompt_file:
                 text = open(args.prompt_file, encoding="utf-8").read()
@@ -220,8 +220,8 @@ def main(argv=None):
         if args.kv_dtype == "int8":
             why = "(int8 KV against an unquantized cache: close, not equal)"
         elif args.dtype != "fp32":
-            why = ("(a different kernel schedule: close, not bit-identical; in fp32 only it must "
-                   "agree)")
+            why = ("(a different kernel schedule: close, not bit-identical; "
+                   "in fp32 only it must agree)")
         else:
             why = "(a different kernel schedule: close, not bit-identical)"
         equal = "equal" if ref_ok else "DIFFERENT"
