@@ -1,8 +1,8 @@
 """
-Each tool is a command of its own, with its own --help: tune.py, doctor.py, probe.py. The older spellings
-(bench.py --tune, bench.py --probe, verify.py --diagnose) are aliases that reach the same main(), so a bad flag
-given through one is the tool's own one-line error. Bad input to any of them: one line on stderr, exit code 2.
-No model runs: every case stops at the flags.
+Each tool is a command of its own, with its own --help: tune.py, doctor.py, probe.py. The older
+spellings (bench.py --tune, bench.py --probe, verify.py --diagnose) are aliases that reach the same
+main(), so a bad flag given through one is the tool's own one-line error. Bad input to any of them:
+one line on stderr, exit code 2. No model runs: every case stops at the flags.
 """
 import os
 import subprocess
@@ -16,16 +16,18 @@ import probe
 import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = [("tune.py", "bench.py --tune"),
+         ("doctor.py", "verify.py --diagnose"),
+         ("probe.py", "bench.py --probe")]
 
 
 def run(*argv):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
 
 
-@pytest.mark.parametrize("tool, alias", [("tune.py", "bench.py --tune"), ("doctor.py", "verify.py --diagnose"),
-                                         ("probe.py", "bench.py --probe")])
+@pytest.mark.parametrize("tool, alias", TOOLS)
 def test_each_tool_is_a_command_with_its_own_help(tool, alias):
     p = run(tool, "--help")
     assert p.returncode == 0, p.stderr
@@ -45,19 +47,21 @@ def test_the_alias_is_not_a_flag_of_the_script(script, alias):
 
 
 @pytest.mark.parametrize("argv, tool", [
-    (["bench.py", "--tune", "--no-such-flag"], "tune.py"),
-    (["bench.py", "--probe", "--no-such-flag"], "probe.py"),
-    (["bench.py", "--device", "cpu", "--probe", "--no-such-flag"], "probe.py"),  # anywhere on the line
-    (["verify.py", "--diagnose", "--no-such-flag"], "doctor.py"),
-    (["bench.py", "--tune", "--help"], "tune.py"),
+    (["bench.py", "--tune"], "tune.py"),
+    (["bench.py", "--probe"], "probe.py"),
+    (["bench.py", "--device", "cpu", "--probe"], "probe.py"),  # anywhere on the line
+    (["verify.py", "--diagnose"], "doctor.py"),
 ])
 def test_an_alias_reaches_the_tools_own_main(argv, tool):
-    p = run(*argv)
-    if argv[-1] == "--help":
-        assert p.returncode == 0 and p.stdout.startswith(f"usage: {tool} "), p.stdout[:200]
-        return
+    p = run(*argv, "--no-such-flag")
     assert p.returncode == 2, p.stderr
-    assert p.stderr.strip().splitlines() == [f"{tool}: error: unrecognized arguments: --no-such-flag"]
+    error = f"{tool}: error: unrecognized arguments: --no-such-flag"
+    assert p.stderr.strip().splitlines() == [error]
+
+
+def test_an_alias_shows_the_tools_own_help():
+    p = run("bench.py", "--tune", "--help")
+    assert p.returncode == 0 and p.stdout.startswith("usage: tune.py "), p.stdout[:200]
 
 
 @pytest.mark.parametrize("main, argv, needle", [
@@ -70,7 +74,7 @@ def test_an_alias_reaches_the_tools_own_main(argv, tool):
     (probe.main, ["--contexts", "1024,4k"], "--contexts"),
     (probe.main, ["--probe-mib", "4"], "--probe-mib"),
     (probe.main, ["--layers", "2"], "--layers"),
-    (probe.main, ["--vs-hf"], "--vs-hf"),  # bench.py's flag, not the probe's
+    (probe.main, ["--vs-hf"], "--vs-hf"),               # bench.py's flag, not the probe's
     (bench.main, ["--probe-mib", "8"], "--probe-mib"),  # the probe's flag, not bench.py's
 ])
 def test_bad_input_is_one_line_and_exit_2(main, argv, needle, capsys):
