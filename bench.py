@@ -1,22 +1,27 @@
 """
-Measure it: prefill and decode speed, memory and bytes moved for every offload mode, against transformers on the
-same checkpoint, beside a prediction made from this machine's own measured costs (probe.py).
+Measure it: prefill and decode speed, memory and bytes moved for every offload mode, against
+transformers on the same checkpoint, beside a prediction made from this machine's own measured costs
+(probe.py).
 
-    python bench.py --ckpt DIR --contexts 1024,4096,8192 --modes none,cpu,disk,disk+zstd --vs-hf --json out.json
-    python bench.py --random-model 7b-like --layers 4 --dtype bf16 --contexts 4096,16384 --modes none,disk
-    python bench.py --probe --offload-dir /mnt/nvme/kv    # what this machine can move, and what offload will cost
-    python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question about a document: cold vs warm TTFT
-    bash scripts/gpu_check.sh OUT_DIR                     # the CUDA tests, the probe and a KV-heavy bench on a GPU
+    python bench.py --ckpt DIR --contexts 1024,4096,8192 --modes none,cpu,disk,disk+zstd --vs-hf \
+        --json out.json
+    python bench.py --random-model 7b-like --layers 4 --dtype bf16 --contexts 4096,16384 \
+        --modes none,disk
+    python probe.py --offload-dir /mnt/nvme/kv    # what this machine can move, what offload costs
+    python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question: cold vs warm TTFT
+    bash scripts/gpu_check.sh OUT_DIR    # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
-Runs are interleaved (for each repeat: for each context: for each mode, the order reversed on odd repeats), the
-calibration redone in each repeat, so that a shared machine's drift hits every mode alike; in one process after a
-warm-up, or with --fresh-process each run (ours or transformers') cold, in a process that loads only its model.
-Numbers are medians of --repeats runs, the spread (min-max) beside them. Decode tok/s is 1 / the median step of a run
-(a preemption or a chunk seal, 1 step in C, does not move it; run_task's mean is decode_tokens_per_s_mean). The
-prompt is random token ids with a fixed seed, so EOS never ends a run early.
+Runs are interleaved (for each repeat: for each context: for each mode, the order reversed on odd
+repeats), the calibration redone in each repeat, so that a shared machine's drift hits every mode
+alike; in one process after a warm-up, or with --fresh-process each run (ours or transformers')
+cold, in a process that loads only its model. Numbers are medians of --repeats runs, the spread
+(min-max) beside them. Decode tok/s is 1 / the median step of a run (a preemption or a chunk seal,
+1 step in C, does not move it; run_task's mean is decode_tokens_per_s_mean). The prompt is random
+token ids with a fixed seed, so EOS never ends a run early.
 
-JSON (--json OUT): {"machine", "config", "calibration", "results": [a row per context and mode: the medians above,
-their spreads, ratios to none and to transformers, predicted decode], "hf": [transformers' rows]}.
+JSON (--json OUT): {"machine", "config", "calibration", "results": [a row per context and mode: the
+medians above, their spreads, ratios to none and to transformers, predicted decode], "hf":
+[transformers' rows]}.
 """
 import argparse
 import json
@@ -38,38 +43,60 @@ from cli import (
     DTYPES,
     MODE_SPECS,
     UsageError,
-    add_common_flags,
-    check_common,
+    add_measure_flags,
+    check_measure,
+    one_line_errors,
     quantize_mode,
     read_model_args,
     rope_override,
 )
 from disk import DiskError
-from kvcache import kv_bytes_per_token
 from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
-from random_model import PRESETS, SIZE_KEYS, build_random_checkpoint, parse_model_spec
+from random_model import build_random_checkpoint
 from task import run_task
 from taskdir import TaskDirError
+
+ALIASES = ("aliases: python bench.py --tune ... runs python tune.py ..., and python bench.py "
+           "--probe ... runs python probe.py ...")
+# the statistics a row reports as medians over its runs
+MEDIANS = ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_tokens_per_s_mean", "ttft_s",
+           "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes")
+
+
+def med(runs, key):
+    """The median of one statistic over runs."""
+    return statistics.median(r[key] for r in runs)
+
 
 # -----------------------------------------------------------------------------
 # the runs: ours, and transformers' on the same checkpoint, prompt and dtype
 
 def run_ours(model, ids, args, mode, tag, new_tokens=None):
     offload, compress = MODE_SPECS[mode]
-    cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir, compress=compress,
-                        cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
+    cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir,
+                        compress=compress, cpu_budget_gib=args.cpu_budget,
+                        staging_slots=args.staging_slots)
     marks = []  # when the first token was sampled, then when each decode step ended
-    new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size, cfg=cfg,
-                       task_id=f"bench_{os.getpid()}_{tag}", kv_dtype=args.kv_dtype,
-                       on_token=lambda out: len(out) == 1 and marks.append(time.perf_counter()),
-                       on_step=lambda phase, *_: phase == "decode" and marks.append(time.perf_counter()))
+
+    def on_token(out):
+        if len(out) == 1:
+            marks.append(time.perf_counter())
+
+    def on_step(phase, *_):
+        if phase == "decode":
+            marks.append(time.perf_counter())
+
+    new, st = run_task(model, ids, new_tokens or args.new_tokens, chunk_size=args.chunk_size,
+                       cfg=cfg, task_id=f"bench_{os.getpid()}_{tag}", kv_dtype=args.kv_dtype,
+                       on_token=on_token, on_step=on_step)
     st["decode_step_s"] = statistics.median(np.diff(marks))
-    st["decode_tokens_per_s_mean"], st["decode_tokens_per_s"] = st["decode_tokens_per_s"], 1 / st["decode_step_s"]
+    st["decode_tokens_per_s_mean"] = st["decode_tokens_per_s"]  # run_task's: steps / their time
+    st["decode_tokens_per_s"] = 1 / st["decode_step_s"]
     return new, st
 
 
@@ -84,36 +111,49 @@ def load_hf(ckpt, device, dtype):
 
 @torch.inference_mode()
 def run_hf(hf, ids, new_tokens, device, offloaded=False):
-    """Prefill in one call, then greedy decoding one token per call, with DynamicCache (offloading=True: each
-    layer's KV goes to the CPU after use and is prefetched back for the next step; CUDA only)."""
+    """Prefill in one call, then greedy decoding one token per call, with DynamicCache
+    (offloading=True: each layer's KV goes to the CPU after use and is prefetched back for the next
+    step; CUDA only)."""
     import inspect
 
     import transformers
-    params, cuda = inspect.signature(hf.forward).parameters, is_cuda(device)
+    params = inspect.signature(hf.forward).parameters
+    cuda = is_cuda(device)
     try:
         cache = transformers.DynamicCache(config=hf.config, offloading=offloaded)
     except TypeError:  # transformers 4.x
         cache = transformers.OffloadedCache() if offloaded else transformers.DynamicCache()
     kw = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # as generate() does: no logits for the prompt
+    # as generate() does: no logits for the prompt
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    peak, t = host_memory(), time.perf_counter()
-    tok = hf(input_ids=torch.tensor([ids], device=device), **kw, **keep).logits[:, -1].argmax(-1, keepdim=True)
-    out, marks = [tok.item()], [time.perf_counter()]
+    peak = host_memory()
+    t = time.perf_counter()
+    prompt = torch.tensor([ids], device=device)                       # [1, T]
+    tok = hf(input_ids=prompt, **kw, **keep).logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+    out = [tok.item()]
+    marks = [time.perf_counter()]
     for _ in range(new_tokens - 1):
         tok = hf(input_ids=tok, **kw).logits[:, -1].argmax(-1, keepdim=True)
         out.append(tok.item())  # .item() synchronises
         marks.append(time.perf_counter())
         peak = {k: max(v, peak[k]) for k, v in host_memory().items()}
     layers = getattr(cache, "layers", None)
-    kv = [x for l in layers for x in (l.keys, l.values)] if layers else list(cache.key_cache) + list(cache.value_cache)
+    if layers:
+        kv = [x for layer in layers for x in (layer.keys, layer.values)]
+    else:  # transformers 4.x
+        kv = list(cache.key_cache) + list(cache.value_cache)
     step = statistics.median(np.diff(marks))
-    return out, {"prefill_tokens_per_s": len(ids) / (marks[0] - t), "ttft_s": marks[0] - t, "decode_step_s": step,
-                 "decode_tokens_per_s": 1 / step, "decode_tokens_per_s_mean": (new_tokens - 1) / (marks[-1] - marks[0]),
-                 "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else  # CPU: as ours counts
-                 weight_bytes(hf) + sum(x.numel() * x.element_size() for x in kv),
-                 "peak_host_rss_bytes": peak["rss"], "peak_host_anon_bytes": peak["anon"]}
+    if cuda:
+        peak_device = torch.cuda.max_memory_allocated(device)
+    else:  # as ours counts it: the weights and the KV
+        peak_device = weight_bytes(hf) + sum(x.numel() * x.element_size() for x in kv)
+    return out, {"prefill_tokens_per_s": len(ids) / (marks[0] - t), "ttft_s": marks[0] - t,
+                 "decode_step_s": step, "decode_tokens_per_s": 1 / step,
+                 "decode_tokens_per_s_mean": (new_tokens - 1) / (marks[-1] - marks[0]),
+                 "peak_device_bytes": peak_device, "peak_host_rss_bytes": peak["rss"],
+                 "peak_host_anon_bytes": peak["anon"]}
 
 
 def make_prompts(vocab_size, contexts):
@@ -122,32 +162,51 @@ def make_prompts(vocab_size, contexts):
 
 
 def run_fresh(args, mode, ctx, new):
-    """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs once, no warm-up)."""
-    keep = ("ckpt", "device", "dtype", "chunk_size", "window", "offload_dir", "contexts", "threads")
-    flags = [x for k in keep if getattr(args, k) is not None for x in (f"--{k.replace('_', '-')}", getattr(args, k))]
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), *map(str, flags), "--child-run", f"{mode}:{ctx}:{new}"],
-                       capture_output=True, text=True)
+    """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs
+    once, no warm-up)."""
+    # every flag that shapes a run: the child must run what this process would have run
+    keep = ("ckpt", "device", "dtype", "quantize", "kv_dtype", "chunk_size", "window",
+            "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
+            "rope_orig_ctx", "contexts", "new_tokens", "threads")
+    flags = []
+    for k in keep:
+        if getattr(args, k) is not None:
+            flags += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    cmd = [sys.executable, os.path.abspath(__file__), *flags, "--child-run", f"{mode}:{ctx}:{new}"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        raise UsageError(f"--fresh-process: the {mode} run at {ctx} tokens failed: {p.stderr.strip()[-300:]}")
+        raise UsageError(f"--fresh-process: the {mode} run at {ctx} tokens failed: "
+                         f"{p.stderr.strip()[-300:]}")
     return json.loads(p.stdout.splitlines()[-1])
 
 
-def child_run(args, contexts, vocab_size, dt):
+def child_run(args, contexts, vocab_size, dtype):
     mode, ctx, new = args.child_run.split(":")
-    ids, new, at = make_prompts(vocab_size, contexts)[int(ctx)], int(new), {"device": args.device, "dtype": dt}
+    ids = make_prompts(vocab_size, contexts)[int(ctx)]
     if mode.startswith("hf"):
-        return run_hf(load_hf(args.ckpt, **at), ids, new, args.device, mode == "hf-offloaded")
-    return run_ours(Transformer.from_pretrained(args.ckpt, **at), ids, args, mode, f"fresh_{os.getpid()}", new)
+        hf = load_hf(args.ckpt, device=args.device, dtype=dtype)
+        return run_hf(hf, ids, int(new), args.device, mode == "hf-offloaded")
+    model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
+                                        rope_override=rope_override(args),
+                                        quantize=quantize_mode(args))
+    return run_ours(model, ids, args, mode, f"fresh_{os.getpid()}", int(new))
 
 
 def run_matrix(model, hf, args, contexts, modes):
-    """{(context, mode): [stats of each repeat]}, interleaved; transformers runs as modes 'hf' (and on CUDA
-    'hf-offloaded'), and the calibration once per repeat, so that they drift with ours."""
-    runs, ids_out, cals = {}, {}, []
+    """{(context, mode): [stats of each repeat]}, interleaved; transformers runs as modes 'hf' (and
+    on CUDA 'hf-offloaded'), and the calibration once per repeat, so that they drift with ours."""
+    runs = {}
+    ids_out = {}
+    cals = []
     prompts = make_prompts(model.args.vocab_size, contexts)
-    all_modes = modes + (["hf"] + (["hf-offloaded"] if is_cuda(args.device) else []) if args.vs_hf else [])
+    cuda = is_cuda(args.device)
+    all_modes = list(modes)
+    if args.vs_hf:
+        all_modes += ["hf", "hf-offloaded"] if cuda else ["hf"]
     # on CUDA both models sit on the device: a run's peak leaves out the other library's weights
-    other = {"hf": weight_bytes(model), "ours": weight_bytes(hf)} if hf and is_cuda(args.device) else {"hf": 0, "ours": 0}
+    other = {"hf": 0, "ours": 0}
+    if hf and cuda:
+        other = {"hf": weight_bytes(model), "ours": weight_bytes(hf)}
 
     def run(mode, ids, tag, new=args.new_tokens):
         if args.fresh_process:
@@ -155,63 +214,77 @@ def run_matrix(model, hf, args, contexts, modes):
         if mode.startswith("hf"):
             return run_hf(hf, ids, new, args.device, mode == "hf-offloaded")
         return run_ours(model, ids, args, mode, tag, new)
-    for mode in [] if args.fresh_process else all_modes:  # warm-up, not recorded: thread pools, allocators, lazy
-        # imports (with --fresh-process every run pays for them, on both sides: it measures a cold start)
-        run(mode, prompts[min(contexts)][:args.chunk_size * (args.window + 2)], f"warmup_{mode}", 3)
+
+    # a warm-up, not recorded: thread pools, allocators, lazy imports (with --fresh-process every
+    # run pays for them, on both sides: it measures a cold start)
+    if not args.fresh_process:
+        for mode in all_modes:
+            run(mode, prompts[min(contexts)][:args.chunk_size * (args.window + 2)],
+                f"warmup_{mode}", 3)
     for rep in range(args.repeats):
         cals.append(calibrate(model, args, contexts, modes))
+        order = all_modes if rep % 2 == 0 else all_modes[::-1]
         for ctx in contexts:
-            for mode in all_modes[::1 if rep % 2 == 0 else -1]:
+            for mode in order:
                 ids_out[(ctx, mode)], st = run(mode, prompts[ctx], f"{rep}_{ctx}_{mode}")
                 st["peak_device_bytes"] -= other["hf" if mode.startswith("hf") else "ours"]
                 runs.setdefault((ctx, mode), []).append(st)
                 print(f"repeat {rep + 1}/{args.repeats} context {ctx} {mode:<12} prefill "
-                      f"{st['prefill_tokens_per_s']:9.1f} tok/s  decode {st['decode_tokens_per_s']:8.2f} tok/s  "
-                      f"load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+                      f"{st['prefill_tokens_per_s']:9.1f} tok/s  decode "
+                      f"{st['decode_tokens_per_s']:8.2f} tok/s  load {os.getloadavg()[0]:.2f}",
+                      file=sys.stderr)
     return runs, ids_out, median_of(cals)
 
 
 def run_reuse(model, args, contexts):
-    """Time to first token of a second question about the same document through --kv-store, against the first
-    (cold: nothing stored yet): [a row per context], medians of --repeats, each repeat on an empty store."""
+    """Time to first token of a second question about the same document through --kv-store,
+    against the first (cold: nothing stored yet): [a row per context], medians of --repeats, each
+    repeat on an empty store."""
     from kvstore import KVStore
-    rows, g = [], torch.Generator().manual_seed(1)
+    rows = []
+    g = torch.Generator().manual_seed(1)
+    vocab = model.args.vocab_size
+    offload, compress = MODE_SPECS[args.reuse_mode]
     for ctx in contexts:
-        doc = torch.randint(3, model.args.vocab_size, (ctx,), generator=g).tolist()
-        asks = [torch.randint(3, model.args.vocab_size, (32,), generator=g).tolist() for _ in range(2)]
-        cold, warm = [], []
+        doc = torch.randint(3, vocab, (ctx,), generator=g).tolist()
+        asks = [torch.randint(3, vocab, (32,), generator=g).tolist() for _ in range(2)]
+        cold = []
+        warm = []
         for rep in range(args.repeats):
-            os.makedirs(args.kv_store, mode=0o700, exist_ok=True)  # owner-only, as a store of its own would be
+            # owner-only, as a store of its own would be
+            os.makedirs(args.kv_store, mode=0o700, exist_ok=True)
             store = KVStore(os.path.join(args.kv_store, f"bench-{os.getpid()}-{ctx}-{rep}"))
             for ask, out in zip(asks, (cold, warm)):
-                cfg = OffloadConfig(mode=MODE_SPECS[args.reuse_mode][0], compress=MODE_SPECS[args.reuse_mode][1],
-                                    window=args.window, offload_dir=args.offload_dir)
-                _, st = run_task(model, doc + ask, 2, chunk_size=args.chunk_size, cfg=cfg, kv_store=store,
-                                 fingerprint=f"bench-{ctx}", task_id=f"bench_{os.getpid()}_reuse")
+                cfg = OffloadConfig(mode=offload, compress=compress, window=args.window,
+                                    offload_dir=args.offload_dir)
+                _, st = run_task(model, doc + ask, 2, chunk_size=args.chunk_size, cfg=cfg,
+                                 kv_store=store, fingerprint=f"bench-{ctx}",
+                                 task_id=f"bench_{os.getpid()}_reuse")
                 out.append(st)
             store.clear()
             os.rmdir(store.root)
-        med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-        rows.append({"context": ctx + 32, "mode": args.reuse_mode, "cold_ttft_s": med(cold, "ttft_s"),
-                     "warm_ttft_s": med(warm, "ttft_s"), "speedup": med(cold, "ttft_s") / med(warm, "ttft_s"),
-                     "reused_tokens": warm[-1]["reused_tokens"], "reused_fraction": warm[-1]["reused_tokens"] / (ctx + 32),
-                     "stored_tokens": cold[-1]["stored_tokens"], "store_bytes_read": warm[-1]["store_bytes_read"]})
+        reused = warm[-1]["reused_tokens"]
+        rows.append({"context": ctx + 32, "mode": args.reuse_mode,
+                     "cold_ttft_s": med(cold, "ttft_s"), "warm_ttft_s": med(warm, "ttft_s"),
+                     "speedup": med(cold, "ttft_s") / med(warm, "ttft_s"),
+                     "reused_tokens": reused, "reused_fraction": reused / (ctx + 32),
+                     "stored_tokens": cold[-1]["stored_tokens"],
+                     "store_bytes_read": warm[-1]["store_bytes_read"]})
     return rows
 
 
 # -----------------------------------------------------------------------------
 # report
 
-def summarize(runs, ids_out, cal, args, margs, contexts, modes):
-    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
-    rows, hf_rows = [], []
+def summarize(runs, ids_out, cal, args, model_args, contexts, modes):
+    rows = []
+    hf_rows = []
     for ctx in contexts:
-        for mode in modes + [m for m in ("hf", "hf-offloaded") if (ctx, m) in runs]:
+        theirs = [m for m in ("hf", "hf-offloaded") if (ctx, m) in runs]
+        for mode in modes + theirs:
             rs = runs[(ctx, mode)]
             row = {"context": ctx, "mode": mode, "runs": len(rs)}
-            row.update({k: med(rs, k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "decode_tokens_per_s_mean",
-                                                "ttft_s", "peak_device_bytes", "peak_host_rss_bytes",
-                                                "peak_host_anon_bytes")})
+            row.update({k: med(rs, k) for k in MEDIANS})
             for k in ("prefill_tokens_per_s", "decode_tokens_per_s"):
                 row[k + "_spread"] = [min(r[k] for r in rs), max(r[k] for r in rs)]
             if mode.startswith("hf"):
@@ -221,41 +294,65 @@ def summarize(runs, ids_out, cal, args, margs, contexts, modes):
             row["bytes"] = {k: med([r["bytes"] for r in rs], k) for k in rs[0]["bytes"]}
             row["chunks"] = rs[-1]["chunks"]
             for phase in ("prefill", "decode"):
+                speed = f"{phase}_tokens_per_s"
                 for key, ref in ((f"{phase}_vs_none", "none"), (f"ours_over_hf_{phase}", "hf")):
                     if (ctx, ref) in runs:
-                        row[key] = row[f"{phase}_tokens_per_s"] / med(runs[(ctx, ref)], f"{phase}_tokens_per_s")
-            pred = predict_decode(cal, ctx, mode, args, margs, is_cuda(args.device))
+                        row[key] = row[speed] / med(runs[(ctx, ref)], speed)
+            pred = predict_decode(cal, ctx, mode, args, model_args, is_cuda(args.device))
             row["predicted_decode_tokens_per_s"] = pred
             row["prediction_error"] = row["decode_tokens_per_s"] / pred - 1 if pred else None
             rows.append(row)
     return rows, hf_rows
 
 
+def mib(n):
+    """Bytes as MiB for a table: whole MiB from 1 MiB up, two decimals below."""
+    return f"{n / 2**20:,.0f}" if n >= 2**20 else f"{n / 2**20:.2f}"
+
+
+def spread(row, key):
+    """A median and its spread: '12.3 (11.9-12.8)'."""
+    low, high = row[key + "_spread"]
+    return f"{row[key]:,.1f} ({low:,.1f}-{high:,.1f})"
+
+
+def opt(x, spec):
+    """x formatted, or '-' where there is none."""
+    return "-" if x is None else format(x, spec)
+
+
 def markdown(rows, hf_rows):
-    mib = lambda n: f"{n / 2**20:,.0f}" if n >= 2**20 else f"{n / 2**20:.2f}"  # noqa: E731
-    sp = lambda r, k: f"{r[k]:,.1f} ({r[k + '_spread'][0]:,.1f}-{r[k + '_spread'][1]:,.1f})"  # noqa: E731
-    opt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-    lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | predicted | error | vs none: "
-             "prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | disk tier write / read / read in place MiB "
-             "|", "|---" * 11 + "|"]
+    lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | predicted | "
+             "error | vs none: prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | "
+             "disk tier write / read / read in place MiB |",
+             "|---" * 11 + "|"]
     for r in rows:
-        lines.append(f"| {r['context']} | {r['mode']} | {sp(r, 'prefill_tokens_per_s')} | {sp(r, 'decode_tokens_per_s')} "
-                     f"| {opt(r['predicted_decode_tokens_per_s'], ',.1f')} | {opt(r['prediction_error'], '+.0%')} "
-                     f"| {opt(r.get('prefill_vs_none'), '.2f')} / {opt(r.get('decode_vs_none'), '.2f')} "
-                     f"| {r['ttft_s']:.2f} | {mib(r['peak_device_bytes'])} | {mib(r['peak_host_rss_bytes'])} / "
-                     f"{mib(r['peak_host_anon_bytes'])} | {mib(r['bytes']['disk_write'])} / {mib(r['bytes']['disk_read'])} / "
-                     f"{mib(r['bytes']['disk_mapped_read'])} |")
+        b = r["bytes"]
+        lines.append(f"| {r['context']} | {r['mode']} | {spread(r, 'prefill_tokens_per_s')} | "
+                     f"{spread(r, 'decode_tokens_per_s')} | "
+                     f"{opt(r['predicted_decode_tokens_per_s'], ',.1f')} | "
+                     f"{opt(r['prediction_error'], '+.0%')} | "
+                     f"{opt(r.get('prefill_vs_none'), '.2f')} / "
+                     f"{opt(r.get('decode_vs_none'), '.2f')} | {r['ttft_s']:.2f} | "
+                     f"{mib(r['peak_device_bytes'])} | {mib(r['peak_host_rss_bytes'])} / "
+                     f"{mib(r['peak_host_anon_bytes'])} | {mib(b['disk_write'])} / "
+                     f"{mib(b['disk_read'])} / {mib(b['disk_mapped_read'])} |")
     if hf_rows:
         ours = {(r["context"], r["mode"]): r for r in rows}
-        lines += ["", "| context | transformers cache | prefill tok/s (min-max) | decode tok/s (min-max) | ours none / "
-                  "theirs: prefill | decode | peak device MiB | host anon MiB | same greedy ids |", "|---" * 9 + "|"]
+        lines += ["",
+                  "| context | transformers cache | prefill tok/s (min-max) | decode tok/s "
+                  "(min-max) | ours none / theirs: prefill | decode | peak device MiB | host anon "
+                  "MiB | same greedy ids |",
+                  "|---" * 9 + "|"]
         for r in hf_rows:
             o = ours.get((r["context"], "none"))
-            ratio = lambda k: opt(o and o[k] / r[k], ".2f")  # noqa: E731
-            lines.append(f"| {r['context']} | {'DynamicCache' if r['mode'] == 'hf' else 'DynamicCache(offloading=True)'} "
-                         f"| {sp(r, 'prefill_tokens_per_s')} | {sp(r, 'decode_tokens_per_s')} | "
-                         f"{ratio('prefill_tokens_per_s')} | {ratio('decode_tokens_per_s')} | "
-                         f"{mib(r['peak_device_bytes'])} | {mib(r['peak_host_anon_bytes'])} | {r['greedy_ids_equal_ours']} |")
+            ratio = {k: opt(o and o[k] / r[k], ".2f")
+                     for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+            cache = "DynamicCache" if r["mode"] == "hf" else "DynamicCache(offloading=True)"
+            lines.append(f"| {r['context']} | {cache} | {spread(r, 'prefill_tokens_per_s')} "
+                         f"| {spread(r, 'decode_tokens_per_s')} | {ratio['prefill_tokens_per_s']} "
+                         f"| {ratio['decode_tokens_per_s']} | {mib(r['peak_device_bytes'])} "
+                         f"| {mib(r['peak_host_anon_bytes'])} | {r['greedy_ids_equal_ours']} |")
     return "\n".join(lines)
 
 
@@ -263,75 +360,40 @@ def markdown(rows, hf_rows):
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__, epilog=ALIASES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_flags(p, chunk_size=512, window=1, ckpt_help="Hugging Face checkpoint directory (default: the demo "
-                     "model in assets/); with --random-model, a new directory to write the random model to "
-                     "(default: a temporary one)")  # window 1: nearly all the context offloaded, the worst case
-    p.add_argument("--random-model", metavar="SPEC", help=f"bench a random model: a preset {sorted(PRESETS)} and/or "
-                   "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
-    p.add_argument("--layers", type=int, help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
-    p.add_argument("--contexts", default="1024,4096,8192", help="prompt lengths, comma separated (default 1024,4096,8192)")
-    p.add_argument("--modes", default="none,cpu,disk,disk+zstd", help=f"comma list of {list(MODE_SPECS)} (default all)")
-    p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per run (default 32)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each context and mode, medians reported (default 3)")
-    p.add_argument("--vs-hf", action="store_true", help="also run transformers (DynamicCache; on CUDA also offloaded)")
-    p.add_argument("--fresh-process", action="store_true", help="run each context and mode, ours and transformers', "
-                   "once in a process of its own, cold (default: all in this process, after a warm-up)")
-    p.add_argument("--child-run", help=argparse.SUPPRESS)  # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
-    p.add_argument("--probe", action="store_true", help="measure links, disk and zstd here, predict, say if offload pays")
-    p.add_argument("--probe-mib", type=int, default=512, help="size of the probe's disk test file (default 512 MiB)")
-    p.add_argument("--visit-cost", action="store_true", help="measure the fixed cost of one chunk visit (decode at "
-                   "the largest --contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
-    p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS), help="with --kv-store: the offload mode "
-                   "of the cold and warm runs (default none)")
-    p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
-    p.add_argument("--tune", action="store_true", help="pick chunk size, window, tier, zstd and staging slots for "
-                   "one --context within --device-budget and --cpu-budget (tune.py; its flags: bench.py --tune -h)")
-
-    def one_line_error(message):
-        print(f"bench.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    p.error = one_line_error
-    return p
+    add_measure_flags(p, "bench")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each context and mode, medians reported (default 3)")
+    p.add_argument("--vs-hf", action="store_true",
+                   help="also run transformers (DynamicCache; on CUDA also offloaded)")
+    p.add_argument("--fresh-process", action="store_true",
+                   help="run each context and mode, ours and transformers', once in a process of "
+                   "its own, cold (default: all in this process, after a warm-up)")
+    # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
+    p.add_argument("--child-run", help=argparse.SUPPRESS)
+    p.add_argument("--visit-cost", action="store_true",
+                   help="measure the fixed cost of one chunk visit (decode at the largest "
+                   "--contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
+    p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS),
+                   help="with --kv-store: the offload mode of the cold and warm runs "
+                   "(default none)")
+    return one_line_errors(p)
 
 
 def check(args):
     """Every flag, before any heavy work. Returns (contexts, modes)."""
-    if args.tune:  # handed over to tune.py by the script entry below, before this parser runs
-        raise UsageError("--tune is the command line's: run python bench.py --tune ..., or call tune.main(argv)")
-    try:
-        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
-    except ValueError:
-        raise UsageError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from None
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not contexts or min(contexts) < 1:
-        raise UsageError(f"--contexts must be positive token counts, got {args.contexts!r}")
-    if not modes or any(m not in MODE_SPECS for m in modes):
-        raise UsageError(f"--modes: {args.modes!r} is not a comma list of {list(MODE_SPECS)}")
-    if min(args.new_tokens - 1, args.repeats, args.probe_mib // 8) < 1:
-        raise UsageError("--new-tokens must be >= 2, --repeats >= 1 and --probe-mib >= 8")
-    if args.layers is not None and (args.layers < 1 or not args.random_model):
-        raise UsageError("--layers goes with --random-model and must be >= 1")
-    check_common(args, needs_disk=True)  # the disk tier, the probe's scratch files
-    for flag, name, needed in (("--vs-hf", "transformers", args.vs_hf and not args.probe),
-                               ("--modes disk+zstd", "zstandard", "disk+zstd" in modes and not args.probe)):
+    if args.new_tokens < 2 or args.repeats < 1:
+        raise UsageError("--new-tokens must be >= 2 and --repeats >= 1")
+    contexts, modes = check_measure(args, "bench")
+    needed = {"--vs-hf": ("transformers", args.vs_hf),
+              "--modes disk+zstd": ("zstandard", "disk+zstd" in modes)}
+    for flag, (package, wanted) in needed.items():
         try:
-            needed and __import__(name)
+            if wanted:
+                __import__(package)
         except ImportError:
-            raise UsageError(f"{flag} needs the {name} package: pip install {name}") from None
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise UsageError(f"--json {args.json}: its directory does not exist")
-    if args.random_model:
-        try:
-            args.sizes = parse_model_spec(args.random_model, args.layers)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
-        if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where to write the new "
-                             "model; give a new directory, or drop --random-model to bench the model already there")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
+            raise UsageError(f"{flag} needs the {package} package: pip install {package}") from None
     return contexts, modes
 
 
@@ -342,56 +404,62 @@ def main(argv=None):
         contexts, modes = check(args)
         if args.threads:
             torch.set_num_threads(args.threads)
+        dtype = DTYPES[args.dtype]
         if args.random_model:
             tmp = None if args.ckpt else tempfile.mkdtemp(prefix="bench-model-")
-            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, DTYPES[args.dtype], args.device)
+            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
-        margs = read_model_args(args.ckpt)
-        if max(contexts) + args.new_tokens > margs.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} is past the model's "
-                             f"maximum context of {margs.max_context} positions")
-        dt = DTYPES[args.dtype]
+        model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
+        if max(contexts) + args.new_tokens > model_args.max_context:
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
+                             "is past the model's maximum context of "
+                             f"{model_args.max_context} positions")
         if args.child_run:
-            print(json.dumps(child_run(args, contexts, margs.vocab_size, dt)))
+            print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0
-        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dt, rope_override=rope_override(args),
+        model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
+                                            rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
-        hf = load_hf(args.ckpt, args.device, dt) if args.vs_hf and not (args.probe or args.fresh_process) else None
-        machine, cuda = probe.environment(args.device), is_cuda(args.device)
-        config = {k: v for k, v in vars(args).items() if k != "sizes"} | {
-            "contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_bytes_per_token(margs, dt, args.kv_dtype),
-            "model": dict(zip(SIZE_KEYS, (margs.dim, margs.n_layers, margs.n_heads, margs.n_kv_heads, margs.head_dim,
-                                          margs.hidden_dim, margs.vocab_size)))}
-        if args.probe:
-            cal = median_of([calibrate(model, args, contexts, modes, disk=r == 0) for r in range(args.repeats)])
-            print(probe.report(machine, cal, args, margs, contexts, modes, cuda))
-            report = {"machine": machine, "config": config, "calibration": cal,
-                      "verdict": probe.verdict(cal, args, margs, contexts, modes, cuda),
-                      "predicted": {c: {m: predict_decode(cal, c, m, args, margs, cuda) for m in modes} for c in contexts}}
-        elif args.visit_cost:  # the fixed cost of a chunk visit (and on CUDA its kernels), median of --repeats
+        hf = None
+        if args.vs_hf and not args.fresh_process:
+            hf = load_hf(args.ckpt, args.device, dtype)
+        machine = probe.environment(args.device)
+        cuda = is_cuda(args.device)
+        config = probe.describe(args, model_args, contexts, modes)
+        if args.visit_cost:  # the fixed cost of a chunk visit (on CUDA its kernels): a median
             ctx = max(contexts)
             cost = statistics.median(probe.visit_cost_s(model, ctx) for _ in range(args.repeats))
+            kernels = probe.kernels_per_visit(model, ctx) if cuda else None
             report = {"machine": machine, "config": config, "visit_cost_s": cost,
-                      "kernels_per_visit": probe.kernels_per_visit(model, ctx) if cuda else None}
-            print(f"fixed cost per chunk visit at {ctx} tokens (chunk 64 against 4096, {margs.n_layers} layers): "
-                  f"{cost * 1e6:.1f} us" + (f", {report['kernels_per_visit']:.2f} kernels" if cuda else ""))
+                      "kernels_per_visit": kernels}
+            line = (f"fixed cost per chunk visit at {ctx} tokens (chunk 64 against 4096, "
+                    f"{model_args.n_layers} layers): {cost * 1e6:.1f} us")
+            if cuda:
+                line += f", {kernels:.2f} kernels"
+            print(line)
         elif args.kv_store:
             rows = run_reuse(model, args, contexts)
-            print("| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens | store read MiB |\n"
-                  "|---|---|---|---|---|---|---|\n" + "\n".join(
-                      f"| {r['context']} | {r['mode']} | {r['cold_ttft_s']:.3f} | {r['warm_ttft_s']:.3f} | "
-                      f"{r['speedup']:.1f}x | {r['reused_tokens']} ({r['reused_fraction']:.0%}) | "
-                      f"{r['store_bytes_read'] / 2**20:.1f} |" for r in rows))
+            lines = ["| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens "
+                     "| store read MiB |",
+                     "|---|---|---|---|---|---|---|"]
+            for r in rows:
+                read_mib = r["store_bytes_read"] / 2**20
+                lines.append(f"| {r['context']} | {r['mode']} | {r['cold_ttft_s']:.3f} | "
+                             f"{r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | {r['reused_tokens']} "
+                             f"({r['reused_fraction']:.0%}) | {read_mib:.1f} |")
+            print("\n".join(lines))
             report = {"machine": machine, "config": config, "reuse": rows}
         else:
             runs, ids_out, cal = run_matrix(model, hf, args, contexts, modes)
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-            rows, hf_rows = summarize(runs, ids_out, cal, args, margs, contexts, modes)
-            print(f"{args.ckpt} {config['model']}, {args.dtype} (KV {args.kv_dtype}) on {args.device}, chunk "
-                  f"{args.chunk_size}, window {args.window}, {args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
-                  f"{machine['cpu_count']} CPUs, {machine['torch_threads']} threads, load {machine['loadavg']} -> "
-                  f"{machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
-            report = {"machine": machine, "config": config, "calibration": cal, "results": rows, "hf": hf_rows}
+            rows, hf_rows = summarize(runs, ids_out, cal, args, model_args, contexts, modes)
+            print(f"{args.ckpt} {config['model']}, {args.dtype} (KV {args.kv_dtype}) on "
+                  f"{args.device}, chunk {args.chunk_size}, window {args.window}, "
+                  f"{args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "
+                  f"{machine['cpu_count']} CPUs, {machine['torch_threads']} threads, load "
+                  f"{machine['loadavg']} -> {machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
+            report = {"machine": machine, "config": config, "calibration": cal, "results": rows,
+                      "hf": hf_rows}
     except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
@@ -405,7 +473,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if "--tune" in sys.argv[1:]:  # the tuner (tune.py, built on this file) has flags of its own: one context, budgets
+    # the aliases: the tuner and the probe are commands of their own, with flags of their own
+    if "--tune" in sys.argv[1:]:
         import tune
         sys.exit(tune.main([a for a in sys.argv[1:] if a != "--tune"]))
+    if "--probe" in sys.argv[1:]:
+        sys.exit(probe.main([a for a in sys.argv[1:] if a != "--probe"]))
     sys.exit(main())

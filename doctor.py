@@ -1,20 +1,22 @@
 """
-The troubleshooting chains of KV offload, checked on this machine for one configuration: `python verify.py --diagnose`.
+The troubleshooting chains of KV offload, checked on this machine for one configuration.
 
-    python verify.py --diagnose --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \
+    python doctor.py --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \
         --context 32768
 
-One line per symptom, in the order users meet them, "ok" or "FOUND" with the cause and the flag that fixes it:
-    device memory never changes (offload not in effect): a context that fits in the window (window >= context in
-        chunks, or a chunk as large as the context); an offload directory that cannot be written, or that lives
-        in RAM (tmpfs) when the disk tier was meant; a budget smaller than the KV it must hold; a short generation
-        that moves no bytes;
-    slower than without offload: a storage link (disk read, zstd, host-to-device) below the rate the tier needs
-        for --target-tok-s; host memory near swap (MemAvailable against the KV the config puts on the host);
-    it does not run: a torch build that does not match the machine (CUDA build without a device, CPU build with
-        --device cuda), pinned memory that cannot be registered;
-    different output: verify.py's comparison, on a short prompt, with its likely cause (seed, precision, a chunk
-        boundary).
+One line per symptom, in the order users meet them, "ok" or "FOUND" with the cause and the flag that
+fixes it:
+    device memory never changes (offload not in effect): a context that fits in the window (window
+        >= context in chunks, or a chunk as large as the context); an offload directory that cannot
+        be written, or that lives in RAM (tmpfs) when the disk tier was meant; a budget smaller than
+        the KV it must hold; a short generation that moves no bytes;
+    slower than without offload: a storage link (disk read, zstd, host-to-device) below the rate the
+        tier needs for --target-tok-s; host memory near swap (MemAvailable against the KV the config
+        puts on the host);
+    it does not run: a torch build that does not match the machine (CUDA build without a device, CPU
+        build with --device cuda), pinned memory that cannot be registered;
+    different output: verify.py's comparison, on a short prompt, with its likely cause (seed,
+        precision, a chunk boundary).
 Exit 0: nothing found; 1: a cause found; 2: bad usage.
 """
 import argparse
@@ -27,13 +29,23 @@ import torch
 import probe
 import verify
 from checkpoint import CheckpointError
-from cli import DEMO_CKPT, DTYPES, UsageError, add_common_flags, check_common, read_model_args
+from cli import (
+    DEMO_CKPT,
+    DTYPES,
+    UsageError,
+    add_common_flags,
+    check_common,
+    one_line_errors,
+    read_model_args,
+)
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
 from tune import slot
 
 GiB = 2**30
+IN_RAM = ("tmpfs", "ramfs")  # file systems whose files live in memory
+ALIAS = "alias: python verify.py --diagnose ... runs python doctor.py ..."
 
 
 def existing_ancestor(path):
@@ -44,15 +56,17 @@ def existing_ancestor(path):
 
 
 def fs_type(path, mounts="/proc/mounts"):
-    """The file system type of the mount holding `path`, from /proc/mounts (the longest mount point that is a
-    prefix of its real path); None where there is no /proc."""
-    real, best = os.path.realpath(existing_ancestor(path)), ("", None)
+    """The file system type of the mount holding `path`, from /proc/mounts (the longest mount point
+    that is a prefix of its real path); None where there is no /proc."""
+    real = os.path.realpath(existing_ancestor(path))
+    best = ("", None)
     try:
         with open(mounts) as f:
             for line in f:
                 _, mnt, kind = line.split()[:3]
                 mnt = mnt.replace("\\040", " ")
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best[0]):
                     best = (mnt, kind)
     except OSError:
         pass
@@ -60,8 +74,8 @@ def fs_type(path, mounts="/proc/mounts"):
 
 
 def writable(path):
-    """Why `path` cannot be the disk tier's root, or None. Nothing is created: a missing directory is judged by
-    its nearest existing ancestor."""
+    """Why `path` cannot be the disk tier's root, or None. Nothing is created: a missing directory
+    is judged by its nearest existing ancestor."""
     anc = existing_ancestor(path)
     if not os.path.isdir(anc):
         return f"{anc} is a file, so {path} cannot be created"
@@ -73,11 +87,13 @@ def writable(path):
         except OSError as e:
             return f"{path} cannot be written ({e.strerror or e})"
         return None
-    return None if os.access(anc, os.W_OK | os.X_OK) else f"{anc} is not writable, so {path} cannot be created"
+    if os.access(anc, os.W_OK | os.X_OK):
+        return None
+    return f"{anc} is not writable, so {path} cannot be created"
 
 
 def pinned_ok(nbytes=1 << 20):
-    """Register a small host buffer with the CUDA driver, as the host tier does; the error code, or 0."""
+    """Register a small host buffer with the CUDA driver, as the host tier does: 0, or the error."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     rc = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if rc == 0:
@@ -88,220 +104,283 @@ def pinned_ok(nbytes=1 << 20):
 # -----------------------------------------------------------------------------
 # the checks: each returns (found, symptom, cause or what was checked, fix)
 
-def check_config(a, margs):
-    """Offload configured, yet nothing leaves the device: the context fits in the window plus the open chunk."""
-    n, C, W = -(-a.context // a.chunk_size), a.chunk_size, a.window
+def check_config(args, model_args):
+    """Offload configured, yet nothing leaves the device: the context fits in the window plus the
+    open chunk."""
+    C = args.chunk_size
+    W = args.window
+    n = -(-args.context // C)
     symptom = "offload not in effect"
-    if a.offload == "none":
+    if args.offload == "none":
         return False, symptom, "--offload none: the KV is meant to stay on the device", ""
     if W + 1 < n:
-        return False, symptom, f"{n} chunks of {C} per layer, {W} in the window: {n - W - 1} leave the device", ""
-    smaller = 1 << max(0, (a.context // (W + 2)).bit_length() - 1)  # a power of two giving >= W + 2 chunks
-    cause = (f"--chunk-size {C} is as large as the context ({a.context} tokens): one chunk, never sealed" if n == 1
-             else f"the context ({a.context} tokens = {n} chunks of {C}) fits in --window {W} plus the open chunk")
-    return True, symptom, cause, f"--window {max(0, n - 2)}" + (f" or --chunk-size {smaller}" if smaller >= 16 else "")
+        checked = f"{n} chunks of {C} per layer, {W} in the window: {n - W - 1} leave the device"
+        return False, symptom, checked, ""
+    # the largest power of two that gives at least W + 2 chunks
+    smaller = 1 << max(0, (args.context // (W + 2)).bit_length() - 1)
+    if n == 1:
+        cause = (f"--chunk-size {C} is as large as the context ({args.context} tokens): "
+                 "one chunk, never sealed")
+    else:
+        cause = (f"the context ({args.context} tokens = {n} chunks of {C}) fits in --window {W} "
+                 "plus the open chunk")
+    fix = f"--window {max(0, n - 2)}"
+    if smaller >= 16:
+        fix += f" or --chunk-size {smaller}"
+    return True, symptom, cause, fix
 
 
-def check_dir(a):
-    if a.offload != "disk":
-        return [(False, "offload dir", f"--offload {a.offload} does not use it", "")]
-    why, kind = writable(a.offload_dir), fs_type(a.offload_dir)
-    out = [(why is not None, "offload dir writable", why or f"{a.offload_dir} can be written",
+def check_dir(args):
+    if args.offload != "disk":
+        return [(False, "offload dir", f"--offload {args.offload} does not use it", "")]
+    why = writable(args.offload_dir)
+    kind = fs_type(args.offload_dir)
+    out = [(why is not None, "offload dir writable", why or f"{args.offload_dir} can be written",
             "--offload-dir DIR on a writable disk (or --offload cpu)")]
-    out.append((kind in ("tmpfs", "ramfs"), "offload dir on a disk",
-                f"{a.offload_dir} is on {kind or 'an unknown file system'}" + (": the disk tier would live in RAM and "
-                "count against host memory" if kind in ("tmpfs", "ramfs") else ""),
-                "--offload-dir on a disk-backed file system, or --offload cpu --cpu-budget GiB to say so"))
+    cause = f"{args.offload_dir} is on {kind or 'an unknown file system'}"
+    if kind in IN_RAM:
+        cause += ": the disk tier would live in RAM and count against host memory"
+    fix = "--offload-dir on a disk-backed file system, or --offload cpu --cpu-budget GiB to say so"
+    out.append((kind in IN_RAM, "offload dir on a disk", cause, fix))
     return out
 
 
-def plan_bytes(a, margs):
+def plan_bytes(args, model_args):
     """KV bytes at the context: per chunk, offloaded in all, and the part the host holds."""
-    L = margs.n_layers
-    chunk, n = slot(margs, a, a.chunk_size), -(-a.context // a.chunk_size)
-    off = 0 if a.offload == "none" else L * max(0, n - 1 - a.window) * chunk
-    budget = a.cpu_budget * GiB if a.cpu_budget is not None else (off if a.offload == "cpu" else 0)
-    on_host = off if a.offload == "disk" and fs_type(a.offload_dir) in ("tmpfs", "ramfs") else min(off, budget)
+    L = model_args.n_layers
+    chunk = slot(model_args, args, args.chunk_size)
+    n = -(-args.context // args.chunk_size)
+    off = 0 if args.offload == "none" else L * max(0, n - 1 - args.window) * chunk
+    if args.cpu_budget is not None:
+        budget = args.cpu_budget * GiB
+    else:
+        budget = off if args.offload == "cpu" else 0
+    if args.offload == "disk" and fs_type(args.offload_dir) in IN_RAM:
+        on_host = off  # the disk tier's files are in memory too
+    else:
+        on_host = min(off, budget)
     return chunk, off, on_host
 
 
-def check_budget(a, margs):
-    chunk, off, _ = plan_bytes(a, margs)
+def check_budget(args, model_args):
+    chunk, off, _ = plan_bytes(args, model_args)
     symptom = "budget smaller than the KV"
-    if a.offload == "cpu" and a.cpu_budget is not None and a.cpu_budget * GiB < off:
-        return True, symptom, (f"--cpu-budget {a.cpu_budget:g} GiB holds {int(a.cpu_budget * GiB) // chunk} of the "
-                               f"{off // chunk} chunks offloaded at {a.context} tokens ({fmt_bytes(off)})"), \
-            f"--cpu-budget {math.ceil(off / GiB * 1e4) / 1e4:g} or --offload disk"
-    if a.offload == "disk":
-        free = os.statvfs(existing_ancestor(a.offload_dir))
+    if args.offload == "cpu" and args.cpu_budget is not None and args.cpu_budget * GiB < off:
+        held = int(args.cpu_budget * GiB) // chunk
+        cause = (f"--cpu-budget {args.cpu_budget:g} GiB holds {held} of the {off // chunk} chunks "
+                 f"offloaded at {args.context} tokens ({fmt_bytes(off)})")
+        fix = f"--cpu-budget {math.ceil(off / GiB * 1e4) / 1e4:g} or --offload disk"
+        return True, symptom, cause, fix
+    if args.offload == "disk":
+        free = os.statvfs(existing_ancestor(args.offload_dir))
         free = free.f_bavail * free.f_frsize
         if free < off:
-            return True, symptom, f"the disk tier needs {off / GiB:.2f} GiB, {a.offload_dir} has {free / GiB:.2f} " \
-                "GiB free", "--offload-dir on a larger disk, or a larger --window"
+            cause = (f"the disk tier needs {off / GiB:.2f} GiB, {args.offload_dir} has "
+                     f"{free / GiB:.2f} GiB free")
+            return True, symptom, cause, "--offload-dir on a larger disk, or a larger --window"
     return False, symptom, f"the offloaded KV ({fmt_bytes(off)}) fits where it goes", ""
 
 
-def check_host_memory(a, margs):
-    _, _, on_host = plan_bytes(a, margs)
+def check_host_memory(args, model_args):
+    _, _, on_host = plan_bytes(args, model_args)
     avail = mem_available()
-    found = on_host > 0.8 * avail
-    return found, "host memory near swap", f"the config puts {fmt_bytes(on_host)} of KV in host memory, " \
-        f"MemAvailable is {fmt_bytes(avail)}", f"--offload disk with --cpu-budget {0.5 * avail / GiB:.1f} or less"
+    cause = (f"the config puts {fmt_bytes(on_host)} of KV in host memory, MemAvailable is "
+             f"{fmt_bytes(avail)}")
+    fix = f"--offload disk with --cpu-budget {0.5 * avail / GiB:.1f} or less"
+    return on_host > 0.8 * avail, "host memory near swap", cause, fix
 
 
-def check_torch(a):
-    out, cuda_wanted = [], probe.is_cuda(a.device)
+def check_torch(args):
+    out = []
+    cuda_wanted = probe.is_cuda(args.device)
     if torch.version.cuda and not torch.cuda.is_available():
-        out.append((True, "torch/CUDA match", f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but "
-                    "sees no device (driver, CUDA_VISIBLE_DEVICES)", "--device cpu, or repair the driver"))
+        cause = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no "
+                 "device (driver, CUDA_VISIBLE_DEVICES)")
+        out.append((True, "torch/CUDA match", cause, "--device cpu, or repair the driver"))
     elif cuda_wanted and not torch.version.cuda:
-        out.append((True, "torch/CUDA match", f"--device {a.device} with a CPU build of torch {torch.__version__}",
-                    "--device cpu, or install a CUDA build of torch"))
+        cause = f"--device {args.device} with a CPU build of torch {torch.__version__}"
+        fix = "--device cpu, or install a CUDA build of torch"
+        out.append((True, "torch/CUDA match", cause, fix))
     else:
-        out.append((False, "torch/CUDA match", f"torch {torch.__version__}, CUDA build {torch.version.cuda}, "
-                    f"device usable: {torch.cuda.is_available()}", ""))
+        checked = (f"torch {torch.__version__}, CUDA build {torch.version.cuda}, device usable: "
+                   f"{torch.cuda.is_available()}")
+        out.append((False, "torch/CUDA match", checked, ""))
     if cuda_wanted and torch.cuda.is_available():
         rc = pinned_ok()
-        out.append((rc != 0, "pinned memory", f"cudaHostRegister of 1 MiB returned {rc}" if rc else
-                    "1 MiB registered and released", "a smaller --cpu-budget, or raise ulimit -l"))
+        if rc:
+            cause = f"cudaHostRegister of 1 MiB returned {rc}"
+        else:
+            cause = "1 MiB registered and released"
+        out.append((rc != 0, "pinned memory", cause, "a smaller --cpu-budget, or raise ulimit -l"))
     else:
         out.append((False, "pinned memory", "not used on CPU", ""))
     return out
 
 
-def check_run(a, model, margs, skip):
-    """A short greedy generation, --offload none and the configuration, on random ids long enough to fill the
-    window and offload two chunks: bytes moving, and verify.py's comparison. skip: why it cannot run, or None."""
+def check_run(args, model, model_args, skip):
+    """A short greedy generation, --offload none and the configuration, on random ids long enough to
+    fill the window and offload two chunks: bytes moving, and verify.py's comparison. skip: why it
+    cannot run, or None."""
+    same = "same output with offload on and off"
     if skip:
         return [(True, "bytes moving", f"the short run was skipped: {skip}", "the fix above"),
-                (False, "same output with offload on and off", "not compared (the short run was skipped)", "")]
-    n = min((a.window + 2) * a.chunk_size + 1, margs.max_context - a.max_new_tokens)
-    ids = torch.randint(3, margs.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+                (False, same, "not compared (the short run was skipped)", "")]
+    n = min((args.window + 2) * args.chunk_size + 1, model_args.max_context - args.max_new_tokens)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model_args.vocab_size, (n,), generator=g).tolist()
+    max_new = args.max_new_tokens
+    C = args.chunk_size
     try:
-        base = verify.run_mode(model, ids, a.max_new_tokens, a.chunk_size, "none", "none", a)
-        run = verify.run_mode(model, ids, a.max_new_tokens, a.chunk_size, a.offload, a.compress, a)
+        base = verify.run_mode(model, ids, max_new, C, "none", "none", args)
+        run = verify.run_mode(model, ids, max_new, C, args.offload, args.compress, args)
     except Exception as e:  # what the user's run would meet: reported as the cause, one line
-        return [(True, "bytes moving", f"a short run with this configuration failed: {e}", "the cause it names"),
-                (False, "same output with offload on and off", "not compared (the short run failed)", "")]
-    st, out = run[2], []
-    b, c = st["bytes"], st["chunks"]
-    left, moved = c["host"] + c["disk"], b["d2h"] + b["disk_write"] + b["h2d"] + b["disk_read"] + b["disk_mapped_read"]
-    if a.offload == "none":
+        return [(True, "bytes moving", f"a short run with this configuration failed: {e}",
+                 "the cause it names"),
+                (False, same, "not compared (the short run failed)", "")]
+    out = []
+    b = run[2]["bytes"]
+    c = run[2]["chunks"]
+    left = c["host"] + c["disk"]
+    moved = b["d2h"] + b["disk_write"] + b["h2d"] + b["disk_read"] + b["disk_mapped_read"]
+    if args.offload == "none":
         out.append((False, "bytes moving", "--offload none: no bytes are meant to move", ""))
     else:
-        out.append((left == 0 or moved == 0, "bytes moving", f"{n} tokens, chunks device/host/disk "
-                    f"{c['device']}/{c['host']}/{c['disk']}, bytes d2h {b['d2h']} h2d {b['h2d']} disk write "
-                    f"{b['disk_write']} read {b['disk_read']} read in place {b['disk_mapped_read']}",
+        checked = (f"{n} tokens, chunks device/host/disk {c['device']}/{c['host']}/{c['disk']}, "
+                   f"bytes d2h {b['d2h']} h2d {b['h2d']} disk write {b['disk_write']} read "
+                   f"{b['disk_read']} read in place {b['disk_mapped_read']}")
+        out.append((left == 0 or moved == 0, "bytes moving", checked,
                     "a --window or --chunk-size that offloads (see above)"))
     diff = verify.compare(base, run)
     if diff is None:
-        out.append((False, "same output with offload on and off", f"{a.offload} is bit-identical to none on {n} "
-                    "tokens (if your outputs differ, compare with the same --seed and --temperature, --chunk-size "
-                    "and --dtype: a different chunk size or dtype rounds differently)", ""))
+        checked = (f"{args.offload} is bit-identical to none on {n} tokens (if your outputs "
+                   "differ, compare with the same --seed and --temperature, --chunk-size and "
+                   "--dtype: a different chunk size or dtype rounds differently)")
+        out.append((False, same, checked, ""))
+        return out
+    step, pos, phase, what = diff
+    edge = (0, args.chunk_size - 1)
+    boundary = phase == "decode" and pos is not None and pos % args.chunk_size in edge
+    if boundary:
+        likely = f"position {pos} is at a chunk boundary: the seal or window eviction logic"
+    elif args.dtype != "fp32":
+        likely = f"--dtype {args.dtype}: precision mixed across tiers"
     else:
-        step, pos, phase, what = diff
-        boundary = phase == "decode" and pos is not None and pos % a.chunk_size in (0, a.chunk_size - 1)
-        likely = (f"position {pos} is at a chunk boundary: the seal or window eviction logic" if boundary else
-                  f"--dtype {a.dtype}: precision mixed across tiers" if a.dtype != "fp32" else
-                  "a chunk stitched in at the wrong position, or read from a stale slot (a missing stream wait)")
-        out.append((True, "same output with offload on and off", f"step {step} ({phase}, position {pos}): {what}; "
-                    f"likely cause: {likely}", "--offload none until fixed; report it with python verify.py"))
+        likely = ("a chunk stitched in at the wrong position, or read from a stale slot "
+                  "(a missing stream wait)")
+    cause = f"step {step} ({phase}, position {pos}): {what}; likely cause: {likely}"
+    out.append((True, same, cause, "--offload none until fixed; report it with python verify.py"))
     return out
 
 
-def check_link(a, model, margs, skip):
-    """The rate the tier must deliver for --target-tok-s: the offloaded KV at the context, once per decode step."""
-    _, off, _ = plan_bytes(a, margs)
-    need, cuda, rates = off * a.target_tok_s / probe.GB, probe.is_cuda(a.device), {}
+def check_link(args, model, model_args, skip):
+    """The rate the tier must deliver for --target-tok-s: the offloaded KV at the context, once per
+    decode step."""
+    _, off, _ = plan_bytes(args, model_args)
+    need = off * args.target_tok_s / probe.GB
+    rates = {}
     symptom = "storage link fast enough"
     if off == 0:
         return False, symptom, "nothing is offloaded at this context", ""
-    if a.offload == "disk":
+    if args.offload == "disk":
         if skip:
             return False, symptom, f"disk not measured: {skip}", ""
-        rates["disk read (cold)"] = probe.disk_bandwidth(a.offload_dir, a.probe_mib << 20)["read"]
-        if a.compress == "zstd":
-            z = probe.zstd_on_real_kv(model, a.chunk_size)
+        disk = probe.disk_bandwidth(args.offload_dir, args.probe_mib << 20)
+        rates["disk read (cold)"] = disk["read"]
+        if args.compress == "zstd":
+            z = probe.zstd_on_real_kv(model, args.chunk_size)
             rates["zstd decompress"] = z["decompress_gbps"]
             rates["disk read (cold)"] *= z["ratio"]  # the disk moves compressed bytes
-    if cuda:
-        rates["pinned H2D"] = probe.link_bandwidth(a.device)["h2d_pinned"]
+    if probe.is_cuda(args.device):
+        rates["pinned H2D"] = probe.link_bandwidth(args.device)["h2d_pinned"]
     if not rates:
-        return False, symptom, "--offload cpu on CPU: chunks are read in place, nothing crosses a link", ""
-    name, rate = min(rates.items(), key=lambda kv: kv[1])
-    return rate < need, symptom, (f"{name} {rate:.2f} GB/s; {a.target_tok_s:g} tok/s at {a.context} tokens moves "
-                                  f"{fmt_bytes(off)} per step: {need:.2f} GB/s needed"), \
-        ("--window larger, --offload cpu with a --cpu-budget that holds it" + (", no --compress" if a.compress ==
-         "zstd" else "") + ", or --offload-dir on NVMe")
+        checked = "--offload cpu on CPU: chunks are read in place, nothing crosses a link"
+        return False, symptom, checked, ""
+    name = min(rates, key=rates.get)
+    rate = rates[name]
+    checked = (f"{name} {rate:.2f} GB/s; {args.target_tok_s:g} tok/s at {args.context} tokens "
+               f"moves {fmt_bytes(off)} per step: {need:.2f} GB/s needed")
+    fix = "--window larger, --offload cpu with a --cpu-budget that holds it"
+    if args.compress == "zstd":
+        fix += ", no --compress"
+    fix += ", or --offload-dir on NVMe"
+    return rate < need, symptom, checked, fix
 
 
 # -----------------------------------------------------------------------------
 # command line
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="verify.py --diagnose", description=__doc__,
+    p = argparse.ArgumentParser(prog="doctor.py", description=__doc__, epilog=ALIAS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=512, window=4)
-    p.add_argument("--offload", choices=MODES, default="disk", help="the tier to diagnose (default %(default)s)")
-    p.add_argument("--compress", choices=COMPRESSIONS, default="none", help="compress disk chunks (lossless)")
-    p.add_argument("--context", type=int, help="the context you run at, in tokens (default: 8192 or the model's "
-                   "maximum, whichever is less)")
-    p.add_argument("--target-tok-s", type=float, default=10.0, help="decode speed the storage link is judged "
-                   "against (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="tokens of the short run (default %(default)s)")
-    p.add_argument("--probe-mib", type=int, default=64, help="size of the disk test file (default %(default)s MiB)")
-
-    def one_line_error(message):
-        print(f"verify.py --diagnose: error: {message}", file=sys.stderr)
-        sys.exit(2)
-    p.error = one_line_error
-    return p
+    p.add_argument("--offload", choices=MODES, default="disk",
+                   help="the tier to diagnose (default %(default)s)")
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
+                   help="compress disk chunks (lossless)")
+    p.add_argument("--context", type=int,
+                   help="the context you run at, in tokens (default: 8192 or the model's maximum, "
+                   "whichever is less)")
+    p.add_argument("--target-tok-s", type=float, default=10.0,
+                   help="decode speed the storage link is judged against (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=8,
+                   help="tokens of the short run (default %(default)s)")
+    p.add_argument("--probe-mib", type=int, default=64,
+                   help="size of the disk test file (default %(default)s MiB)")
+    return one_line_errors(p)
 
 
 def main(argv=None):
-    a = build_parser().parse_args(argv)
-    device_ok = not probe.is_cuda(a.device) or torch.cuda.is_available()
+    args = build_parser().parse_args(argv)
+    device_ok = not probe.is_cuda(args.device) or torch.cuda.is_available()
     try:
-        a.ckpt = a.ckpt or DEMO_CKPT
-        if not os.path.isdir(a.ckpt):
-            raise UsageError(f"--ckpt {a.ckpt}: no such directory")
-        if min(a.max_new_tokens, a.probe_mib // 8, a.context or 1) < 1 or a.target_tok_s <= 0:
-            raise UsageError("--max-new-tokens, --context and --target-tok-s must be > 0 and --probe-mib >= 8")
-        if a.compress == "zstd" and a.offload != "disk":
+        args.ckpt = args.ckpt or DEMO_CKPT
+        if not os.path.isdir(args.ckpt):
+            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+        positive = min(args.max_new_tokens, args.probe_mib // 8, args.context or 1) >= 1
+        if not positive or args.target_tok_s <= 0:
+            raise UsageError("--max-new-tokens, --context and --target-tok-s must be > 0 and "
+                             "--probe-mib >= 8")
+        if args.compress == "zstd" and args.offload != "disk":
             raise UsageError("--compress zstd applies to the disk tier; add --offload disk")
-        device = a.device
-        a.device = a.device if device_ok else "cpu"  # a torch/CUDA mismatch is a finding, not a usage error
-        check_common(a, needs_disk=False)
-        a.device = device
-        margs = read_model_args(a.ckpt)
-        a.context = a.context or min(8192, margs.max_context)
-        if a.threads:
-            torch.set_num_threads(a.threads)
-        model = Transformer.from_pretrained(a.ckpt, device=a.device if device_ok else "cpu", dtype=DTYPES[a.dtype])
+        device = args.device
+        # a torch/CUDA mismatch is a finding, not a usage error
+        args.device = args.device if device_ok else "cpu"
+        check_common(args, needs_disk=False)
+        args.device = device
+        model_args = read_model_args(args.ckpt)
+        args.context = args.context or min(8192, model_args.max_context)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        model = Transformer.from_pretrained(args.ckpt, device=args.device if device_ok else "cpu",
+                                            dtype=DTYPES[args.dtype])
     except (UsageError, CheckpointError) as e:
-        print(f"verify.py --diagnose: error: {e}", file=sys.stderr)
+        print(f"doctor.py: error: {e}", file=sys.stderr)
         return 2
-    findings = [check_config(a, margs), *check_dir(a), check_budget(a, margs), *check_torch(a)]
-    blocked = next((cause for found, symptom, cause, _ in findings if found and symptom == "offload dir writable"),
-                   None)
-    made = a.offload == "disk" and not blocked and not os.path.exists(a.offload_dir)
+    findings = [check_config(args, model_args), *check_dir(args), check_budget(args, model_args),
+                *check_torch(args)]
+    blocked = next((cause for found, symptom, cause, _ in findings
+                    if found and symptom == "offload dir writable"), None)
+    made = args.offload == "disk" and not blocked and not os.path.exists(args.offload_dir)
     if made:
-        os.makedirs(a.offload_dir, mode=0o700)
+        os.makedirs(args.offload_dir, mode=0o700)
     try:
         if not device_ok:
-            a.device = "cpu"
-        findings += check_run(a, model, margs, blocked)
-        findings += [check_link(a, model, margs, blocked), check_host_memory(a, margs)]
+            args.device = "cpu"
+        findings += check_run(args, model, model_args, blocked)
+        findings.append(check_link(args, model, model_args, blocked))
+        findings.append(check_host_memory(args, model_args))
     finally:
         if made:
             try:
-                os.rmdir(a.offload_dir)
+                os.rmdir(args.offload_dir)
             except OSError:
                 pass
-    print(f"{a.ckpt}: --offload {a.offload}{' --compress zstd' if a.compress == 'zstd' else ''} --chunk-size "
-          f"{a.chunk_size} --window {a.window} at {a.context} tokens, {a.device} {a.dtype}")
+    compress = " --compress zstd" if args.compress == "zstd" else ""
+    print(f"{args.ckpt}: --offload {args.offload}{compress} --chunk-size {args.chunk_size} "
+          f"--window {args.window} at {args.context} tokens, {args.device} {args.dtype}")
     for found, symptom, cause, fix in findings:
-        print(f"{'FOUND' if found else 'ok':<6} {symptom}: {cause}" + (f"; fix: {fix}" if found else ""))
+        line = f"{'FOUND' if found else 'ok':<6} {symptom}: {cause}"
+        print(line + (f"; fix: {fix}" if found else ""))
     return 1 if any(f[0] for f in findings) else 0
 
 

@@ -1,16 +1,19 @@
 """
 Proof that offload changes where the bytes of the KV cache live, not the math.
 
-    python verify.py --ckpt DIR --max-new-tokens 32 --chunk-size 64 --window 2 --modes cpu,disk,disk+zstd
+    python verify.py --ckpt DIR --max-new-tokens 32 --chunk-size 64 --window 2 \
+        --modes cpu,disk,disk+zstd
 
-Runs greedy generation with --offload none, then with each mode, on the same prompt and chunk size, and compares
-the generated ids and the logits of every forward step with torch.equal. With --kv-store DIR it also runs twice
-through the persistent prompt cache (the second run must reuse stored chunks) and compares both the same way. Then it runs the model once, unchunked
-and uncached (plain causal attention over prompt + generated tokens), and checks that its greedy ids agree and
-reports the largest logit difference (that one is not bit-identical: a different kernel schedule rounds
-differently). With --kv-dtype int8 every mode is compared with an int8 --offload none (bit-identical all the
-same); the unquantized reference's greedy ids are then reported, not required. Exit 0: all bit-identical; 1: a
-mismatch (the first differing step is named); 2: bad usage.
+Runs greedy generation with --offload none, then with each mode, on the same prompt and chunk size,
+and compares the generated ids and the logits of every forward step with torch.equal. With
+--kv-store DIR it also runs twice through the persistent prompt cache (the second run must reuse
+stored chunks) and compares both the same way. Then it runs the model once, unchunked and uncached
+(plain causal attention over prompt + generated tokens), and checks that its greedy ids agree and
+reports the largest logit difference (that one is not bit-identical: a different kernel schedule
+rounds differently). With --kv-dtype int8 every mode is compared with an int8 --offload none
+(bit-identical all the same); the unquantized reference's greedy ids are then reported, not
+required.
+Exit 0: all bit-identical; 1: a mismatch (the first differing step is named); 2: bad usage.
 """
 import argparse
 import json
@@ -41,57 +44,71 @@ from task import run_task
 from tokenizer import load_tokenizer
 from tp import agree_min
 
-# real English text that every Python installation carries: the reference manual's pages on a few statements
-DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in ("with", "try", "for", "while", "if", "assignment"))
+# real English text that every Python installation carries: the reference manual's pages on a few
+# statements
+DEFAULT_TOPICS = ("with", "try", "for", "while", "if", "assignment")
+DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in DEFAULT_TOPICS)
 OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
+ALIAS = "alias: python verify.py --diagnose ... runs python doctor.py ..."
 
 
-def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None, layout=None):
+def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None,
+             layout=None):
     """Greedy generation; returns (new ids, [(position, phase, logits [V])...], stats)."""
     steps = []
-    cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir, compress=compress,
-                        cpu_budget_gib=args.cpu_budget, staging_slots=args.staging_slots)
+
+    def on_step(phase, logits, cache):
+        steps.append((cache.length - 1, phase, logits[0].cpu()))
+
+    cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=args.offload_dir,
+                        compress=compress, cpu_budget_gib=args.cpu_budget,
+                        staging_slots=args.staging_slots)
     new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
-                          task_id=f"verify_{os.getpid()}_{mode}_{compress}", kv_store=kv_store, fingerprint=fingerprint,
-                          kv_dtype=args.kv_dtype, layout=layout,
-                          on_step=lambda phase, logits, cache: steps.append((cache.length - 1, phase, logits[0].cpu())))
+                          task_id=f"verify_{os.getpid()}_{mode}_{compress}", kv_store=kv_store,
+                          fingerprint=fingerprint, kv_dtype=args.kv_dtype, layout=layout,
+                          on_step=on_step)
     return new, steps, stats
 
 
+def decode_positions(steps):
+    return [pos for pos, phase, _ in steps if phase == "decode"]
+
+
 def compare(base, other):
-    """First difference between two runs, or None: (step, position, phase, what). Steps are matched by position:
-    a run that reused stored prompt chunks (--kv-store) has no prefill steps for them, and must match the rest."""
-    (ids_a, steps_a, _), (ids_b, steps_b, _) = base, other
+    """First difference between two runs, or None: (step, position, phase, what). Steps are matched
+    by position: a run that reused stored prompt chunks (--kv-store) has no prefill steps for them,
+    and must match the rest."""
+    ids_a, steps_a, _ = base
+    ids_b, steps_b, _ = other
     by_pos = {pos: la for pos, _, la in steps_a}
     for i, (pos, phase, lb) in enumerate(steps_b):
         la = by_pos.get(pos)
-        if la is None or not torch.equal(la, lb):
-            what = "a step the reference never ran" if la is None else \
-                f"logits differ (max |diff| {(la - lb).abs().max().item():.3g})"
-            return i, pos, phase, what
-    decode = lambda steps: [pos for pos, phase, _ in steps if phase == "decode"]  # noqa: E731
-    if decode(steps_a) != decode(steps_b) or ids_a != ids_b:
+        if la is None:
+            return i, pos, phase, "a step the reference never ran"
+        if not torch.equal(la, lb):
+            return i, pos, phase, f"logits differ (max |diff| {(la - lb).abs().max().item():.3g})"
+    if decode_positions(steps_a) != decode_positions(steps_b) or ids_a != ids_b:
         return len(steps_b), None, "decode", f"generated ids differ: {ids_a} vs {ids_b}"
     return None
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="verify.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="verify.py", description=__doc__, epilog=ALIAS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, chunk_size=64, window=2)
-    p.add_argument("--prompt-file", help="UTF-8 prompt (default: pages of Python's reference manual)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens to generate (default 32)")
-    p.add_argument("--modes", default="cpu,disk,disk+zstd", help=f"comma list of {OFFLOAD_MODES} (default all)")
-    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="truncate the prompt to this many tokens")
+    p.add_argument("--prompt-file",
+                   help="UTF-8 prompt (default: pages of Python's reference manual)")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="greedy tokens to generate (default 32)")
+    p.add_argument("--modes", default="cpu,disk,disk+zstd",
+                   help=f"comma list of {OFFLOAD_MODES} (default all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=2048,
+                   help="truncate the prompt to this many tokens")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--diagnose", action="store_true", help="check the troubleshooting chains for one configuration "
-                   "instead (doctor.py; its flags: verify.py --diagnose -h)")
     args = p.parse_args(argv)
     layout = None
     try:
-        if args.diagnose:  # handed over to doctor.py by the script entry below, before this parser runs
-            raise UsageError("--diagnose is the command line's: run python verify.py --diagnose ..., or doctor.main()")
-        layout = launch.start(args.tp, args.device)  # under torchrun: every rank verifies its own share
+        layout = launch.start(args.tp, args.device)  # under torchrun: each rank verifies its share
         args.device = str(layout.device)
         args.ckpt = args.ckpt or DEMO_CKPT
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -105,34 +122,47 @@ def main(argv=None):
             raise UsageError(f"--ckpt {args.ckpt}: no such directory")
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        margs = read_model_args(args.ckpt, args)
+        model_args = read_model_args(args.ckpt, args)
         kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
-            raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt cannot be encoded")
+            raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt "
+                             "cannot be encoded")
         try:
-            text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else DEFAULT_PROMPT
+            if args.prompt_file:
+                text = open(args.prompt_file, encoding="utf-8").read()
+            else:
+                text = DEFAULT_PROMPT
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
-        ids = tokenizer.encode(text)[:min(args.max_prompt_tokens, margs.max_context - args.max_new_tokens)]
+        room = model_args.max_context - args.max_new_tokens
+        ids = tokenizer.encode(text)[:min(args.max_prompt_tokens, room)]
         if len(ids) < 1:
-            raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the model's context")
+            raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
+                             "model's context")
         if len(ids) + args.max_new_tokens <= args.chunk_size * (args.window + 1):
-            raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device window "
-                             f"({args.window} chunks of {args.chunk_size} plus the open one): nothing would be "
-                             "offloaded, so nothing would be verified; lower --chunk-size or --window")
-        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args), quantize_mode(args))
-        run = lambda mode, compress, **kw: run_mode(model, ids, args.max_new_tokens, args.chunk_size, mode,  # noqa
-                                                    compress, args, layout=layout, **kw)
+            raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device "
+                             f"window ({args.window} chunks of {args.chunk_size} plus the open "
+                             "one): nothing would be offloaded, so nothing would be verified; "
+                             "lower --chunk-size or --window")
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
+                            quantize_mode(args))
+
+        def run(mode, compress, **kw):
+            return run_mode(model, ids, args.max_new_tokens, args.chunk_size, mode, compress, args,
+                            layout=layout, **kw)
+
         runs = {"none": run("none", "none")}
         for m in modes:
             runs[m] = run(*MODE_SPECS[m])
-        if kv_store:  # the first run stores what the store lacks, the second must reuse it: both against none
+        # the first run stores what the store lacks, the second must reuse it: both against none
+        if kv_store:
             fp = run_fingerprint(args.ckpt, args)
             for m in ("store", "reuse"):
                 runs[m] = run(*MODE_SPECS[modes[-1]], kv_store=kv_store, fingerprint=fp)
     except (UsageError, CheckpointError, OffloadError, ValueError) as e:
-        if (layout.rank if layout else int(os.environ.get("RANK", "0"))) == 0:  # one rank says it
+        rank = layout.rank if layout else int(os.environ.get("RANK", "0"))
+        if rank == 0:  # one rank says it
             print(f"verify.py: error: {e}", file=sys.stderr)
         return 2
 
@@ -144,57 +174,71 @@ def main(argv=None):
     ref_ids = ref[len(ids) - 1:].argmax(-1).tolist()
     ref_diff = max((ref[pos] - lg).abs().max().item() for pos, _, lg in runs["none"][1])
 
-    report, ok = {}, True
+    report = {}
+    ok = True
     for m in runs:
         diff = None if m == "none" else compare(runs["none"], runs[m])
         ok &= diff is None
         st = runs[m][2]
-        report[m] = {"bit_identical": diff is None, "first_difference": diff, "tokens": len(runs[m][0]),
-                     "chunks": st["chunks"], "bytes": st["bytes"], "decode_tokens_per_s": st["decode_tokens_per_s"],
+        report[m] = {"bit_identical": diff is None, "first_difference": diff,
+                     "tokens": len(runs[m][0]), "chunks": st["chunks"], "bytes": st["bytes"],
+                     "decode_tokens_per_s": st["decode_tokens_per_s"],
                      "reused_tokens": st.get("reused_tokens", 0)}
     if kv_store and not report["reuse"]["reused_tokens"]:  # nothing reused would prove nothing
         ok = False
-        report["reuse"]["first_difference"] = (0, None, "prefill", "the second run reused no stored chunk")
+        report["reuse"]["first_difference"] = (0, None, "prefill",
+                                               "the second run reused no stored chunk")
     ref_ok = ref_ids == new
-    agree = sum(a == b for a, b in zip(ref_ids, new)) / len(new)  # the unquantized model's top-1, along our ids
-    if args.dtype == "fp32" and args.kv_dtype == "auto":  # bf16/fp16 rounding, or int8 KV, may flip a near-tie:
-        ok &= ref_ok                                     # reported, not failed
+    agree = sum(a == b for a, b in zip(ref_ids, new)) / len(new)  # the unquantized model's top-1
+    if args.dtype == "fp32" and args.kv_dtype == "auto":  # bf16/fp16 rounding, or int8 KV, may flip
+        ok &= ref_ok                                      # a near-tie: reported, not failed
     ok = bool(agree_min(int(ok), layout))  # under torchrun: every rank's share must pass
     launch.finish(layout)
     if layout.rank != 0:  # one report, from rank 0
         return 0 if ok else 1
     if args.json:
-        print(json.dumps({"ok": ok, "prompt_tokens": len(ids), "chunk_size": args.chunk_size, "window": args.window,
-                          "kv_dtype": args.kv_dtype, "modes": report,
-                          "unchunked": {"greedy_ids_equal": ref_ok, "top1_agreement": agree,
-                                        "max_abs_logit_diff": ref_diff}}))
+        unchunked = {"greedy_ids_equal": ref_ok, "top1_agreement": agree,
+                     "max_abs_logit_diff": ref_diff}
+        print(json.dumps({"ok": ok, "prompt_tokens": len(ids), "chunk_size": args.chunk_size,
+                          "window": args.window, "kv_dtype": args.kv_dtype, "modes": report,
+                          "unchunked": unchunked}))
     else:
-        print(f"prompt {len(ids)} tokens, {args.max_new_tokens} new, chunk {args.chunk_size}, window {args.window}, "
-              f"{args.device} {args.dtype}, KV {args.kv_dtype}")
-        print(f"{'mode':<10} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} {'disk tier read':>14} "
-              f"{'decode tok/s':>13} {'reused':>7}")
+        print(f"prompt {len(ids)} tokens, {args.max_new_tokens} new, chunk {args.chunk_size}, "
+              f"window {args.window}, {args.device} {args.dtype}, KV {args.kv_dtype}")
+        print(f"{'mode':<10} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} "
+              f"{'disk tier read':>14} {'decode tok/s':>13} {'reused':>7}")
         for m, r in report.items():
-            c, b = r["chunks"], r["bytes"]
-            verdict = "reference" if m == "none" else "bit-identical" if r["bit_identical"] else "DIFFERENT"
+            c = r["chunks"]
+            b = r["bytes"]
+            if m == "none":
+                verdict = "reference"
+            else:
+                verdict = "bit-identical" if r["bit_identical"] else "DIFFERENT"
             print(f"{m:<10} {verdict:<20} {c['device']:>5}/{c['host']:>5}/{c['disk']:>5}{'':<5} "
                   f"{b['disk_read'] + b['disk_mapped_read']:>14} {r['decode_tokens_per_s']:>13.1f} "
                   f"{r['reused_tokens']:>7}")
-        print(f"unchunked  greedy ids {'equal' if ref_ok else 'DIFFERENT'} (top-1 agreement {agree:.1%}), max |logit "
-              f"diff| {ref_diff:.3g} " + ("(int8 KV against an unquantized cache: close, not equal)" if
-                                        args.kv_dtype == "int8" else "(a different kernel schedule: close, not "
-                                        "bit-identical" + ("; in fp32 only it must agree)" if args.dtype != "fp32"
-                                                           else ")")))
+        if args.kv_dtype == "int8":
+            why = "(int8 KV against an unquantized cache: close, not equal)"
+        elif args.dtype != "fp32":
+            why = ("(a different kernel schedule: close, not bit-identical; "
+                   "in fp32 only it must agree)")
+        else:
+            why = "(a different kernel schedule: close, not bit-identical)"
+        equal = "equal" if ref_ok else "DIFFERENT"
+        print(f"unchunked  greedy ids {equal} (top-1 agreement {agree:.1%}), max |logit diff| "
+              f"{ref_diff:.3g} {why}")
         for m, r in report.items():
             if r["first_difference"]:
                 step, pos, phase, what = r["first_difference"]
-                print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely causes: a chunk read back "
-                      "at the wrong position or from a stale slot (a missing stream wait), or a dtype change across tiers.")
+                print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely "
+                      "causes: a chunk read back at the wrong position or from a stale slot (a "
+                      "missing stream wait), or a dtype change across tiers.")
         print("OK: every mode is bit-identical to --offload none" if ok else "FAILED")
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    if "--diagnose" in sys.argv[1:]:  # the troubleshooting chains (doctor.py, built on this file) take their own flags
+    if "--diagnose" in sys.argv[1:]:  # the alias: the troubleshooting chains are a command now
         import doctor
         sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
     sys.exit(main())

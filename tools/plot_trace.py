@@ -1,6 +1,6 @@
 """
-Draw a trace written by `generate.py --trace TRACE.jsonl`: device memory, host memory and bytes moved per tier
-over time, one line per task, alerts as vertical marks.
+Draw a trace written by `generate.py --trace TRACE.jsonl`: device memory, host memory and bytes
+moved per tier over time, one line per task, alerts as vertical marks.
 
     python tools/plot_trace.py TRACE.jsonl -o trace.png
 
@@ -26,7 +26,8 @@ def load(path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="TRACE.jsonl from generate.py --trace")
     p.add_argument("-o", "--output", default="trace.png", help="image to write (default trace.png)")
     args = p.parse_args(argv)
@@ -35,7 +36,8 @@ def main(argv=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot_trace.py: error: matplotlib is not installed; pip install matplotlib", file=sys.stderr)
+        print("plot_trace.py: error: matplotlib is not installed; pip install matplotlib",
+              file=sys.stderr)
         return 2
     try:
         steps, alerts = load(args.trace)
@@ -54,7 +56,8 @@ def main(argv=None):
         ax_host.plot(t, [e["host_rss"] * mib for e in events], label=f"rss, task {task}")
         ax_host.plot(t, [e["host_anon"] * mib for e in events], "--", label=f"anon, task {task}")
         for key, style in (("d2h", "-"), ("h2d", ":"), ("disk_write", "-."), ("disk_read", "--")):
-            ax_io.plot(t, [e["bytes"][key] * mib for e in events], style, label=f"{key}, task {task}")
+            moved = [e["bytes"][key] * mib for e in events]
+            ax_io.plot(t, moved, style, label=f"{key}, task {task}")
     for a in alerts:
         for ax in (ax_dev, ax_host, ax_io):
             ax.axvline(a["t"] - t0, color="red", alpha=0.4)

@@ -1,9 +1,9 @@
 """
-The measurement behind tp.py's default vocab="shard": weight bytes per rank and decode speed with the embedding
-and output head cut by vocab rows against kept whole on every rank, on a model whose two vocab tables are a
-large part of it (here 84%; Llama-3.2-1B: 21%, tied; Llama-3-70B: 3%).
+The measurement behind tp.py's default vocab="shard": weight bytes per rank and decode speed with
+the embedding and output head cut by vocab rows against kept whole on every rank, on a model whose
+two vocab tables are a large part of it (here 84%; Llama-3.2-1B: 21%, tied; Llama-3-70B: 3%).
 
-    python tools/tp_vocab.py build /tmp/vocab_ckpt                       # random checkpoint, E=512, V=32000
+    python tools/tp_vocab.py build /tmp/vocab_ckpt    # a random checkpoint, E=512, V=32000
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 tools/tp_vocab.py /tmp/vocab_ckpt
 """
 import os
@@ -30,10 +30,13 @@ def main():
     from tp import agree_min, init_distributed, load_sharded
     torch.set_num_threads(1)
     layout = init_distributed()
-    prompt = torch.randint(0, SHAPE["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(0))
-    models = {vocab: load_sharded(sys.argv[1], layout, vocab=vocab) for vocab in ("replicate", "shard")}
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, SHAPE["vocab_size"], (1, 64), generator=g)             # [B, T]
+    models = {vocab: load_sharded(sys.argv[1], layout, vocab=vocab)
+              for vocab in ("replicate", "shard")}
     best = {vocab: float("inf") for vocab in models}
-    for _ in range(5):  # the best of five, the two modes taking turns: other processes share these cores
+    # the best of five, the two modes taking turns: other processes share these cores
+    for _ in range(5):
         for vocab, model in models.items():
             cache = make_cache(model, OffloadConfig(), 64, 256)
             prefill(model, cache, prompt)
@@ -49,6 +52,7 @@ def main():
         if layout.is_leader:
             print(f"N={layout.tp} vocab={vocab:9s} weights per rank {held / 2**20:6.1f} MiB | "
                   f"decode {best[vocab] * 1e3:.2f} ms/token")
+
 
 if __name__ == "__main__":
     main()
