@@ -23,7 +23,7 @@ import taskdir
 from batch import run_batch
 from checkpoint import CheckpointError, read_json
 from generate import Sampling
-from kvcache import KV_DTYPES
+from kvlayout import KV_DTYPES
 from kvstore import KVStore, StoreError
 from model import ModelArgs
 from monitor import Monitor, progress_line

@@ -39,7 +39,8 @@ from cli import (
 )
 from disk import DiskError
 from generate import decode_one_token, prefill
-from kvcache import kv_bytes_per_token, make_cache
+from kvcache import make_cache
+from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
 from pools import OffloadError

@@ -48,7 +48,7 @@ from cli import (
     rope_override,
 )
 from disk import ALIGN, DiskError, round_up
-from kvcache import kv_bytes_per_token
+from kvlayout import kv_bytes_per_token
 from model import Transformer
 from monitor import mem_available
 from offload import OffloadConfig

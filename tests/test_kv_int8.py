@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from kvcache import Int8Layout, PlainLayout, chunk_layout, kv_bytes_per_token
+from kvlayout import Int8Layout, PlainLayout, chunk_layout, kv_bytes_per_token
 from model import ModelArgs, Transformer
 from offload import OffloadConfig
 from pools import alloc_chunks

@@ -17,7 +17,8 @@ import task
 from checkpoint import CheckpointError
 from ckpt import build_checkpoint, edit_config
 from generate import Sampling
-from kvcache import KVCache, PlainLayout, first_visible_chunk
+from kvcache import KVCache, first_visible_chunk
+from kvlayout import PlainLayout
 from model import Transformer
 from offload import OffloadConfig, TieredStore
 from rope import context_refusal, rope_inv_freq, rope_override_note

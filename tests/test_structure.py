@@ -23,10 +23,10 @@ LAYERS = [
     {"generate"},
     # the network, text <-> ids
     {"model", "rope", "quantize", "tp", "tokenizer", "progress", "random_model"},
-    # chunks as attention sees them; the files
-    {"kvcache", "checkpoint"},
-    # where bytes live and move
-    {"offload", "kvstore", "disk", "pools"},
+    # chunks as attention sees them and their layouts; the files
+    {"kvcache", "kvlayout", "checkpoint"},
+    # where bytes live and move; the policy that decides what is read, evicted and placed
+    {"offload", "kvstore", "disk", "pools", "policy"},
 ]
 RANK = {m: i for i, row in enumerate(LAYERS) for m in row}
 
@@ -84,8 +84,8 @@ def test_imports_flow_down_and_have_no_cycle():
 
 
 def test_core_imports_nothing_above_the_loop():
-    core = {"model", "rope", "checkpoint", "kvcache", "offload", "disk", "pools", "generate",
-            "tokenizer"}
+    core = {"model", "rope", "checkpoint", "kvcache", "kvlayout", "offload", "disk", "pools",
+            "policy", "generate", "tokenizer"}
     for m in core:
         assert imports_of(m) <= core | {"quantize", "tp", "progress", "kvstore"}, (m, imports_of(m))
 

@@ -79,7 +79,7 @@ def logits_of(model, ids, kv_dtype=None, chunk_size=64):
             t = cache.length
             n = min(chunk_size - t % chunk_size, len(ids) - t)
             cache.begin(n)
-            cache.store.prefetch(cache.n_sealed)
+            cache.store.prefetch(cache.reads())
             out.append(model(x[:, t:t + n], cache)[0].float().cpu())     # [n, V]
             if cache.commit():
                 cache.store.seal(cache.n_sealed - 1)
