@@ -28,6 +28,7 @@ from kvstore import KVStore, StoreError
 from model import ModelArgs
 from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig
+from policy import SELECTIONS
 from pools import OffloadError
 from progress import Progress
 from quantize import kernel_status
@@ -114,6 +115,20 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     p.add_argument("--kv-store-budget", type=float, metavar="GIB",
                    help="with --kv-store: evict least recently used entries to stay under this "
                    "size (default: no limit)")
+    p.add_argument("--select", choices=SELECTIONS, default="all",
+                   help="which sealed chunks a decode step reads (policy.py): all (exact, the "
+                   "default); quest (the chunks whose key digests allow the highest scores for "
+                   "the step's queries, up to --select-budget); oracle (the true top chunks by "
+                   "attention mass: reads everything, for evaluation); sink (the first chunk and "
+                   "the window). Prefill and the first --select-dense layers stay exact; every "
+                   "--offload mode stays bit-identical to --offload none with the same --select")
+    p.add_argument("--select-budget", type=int, metavar="TOKENS",
+                   help="with --select quest or oracle: tokens of sealed chunks a decode step "
+                   "reads besides the window and the open chunk, the first chunk included (at "
+                   "least one chunk)")
+    p.add_argument("--select-dense", type=int, metavar="N",
+                   help="with --select: the first N layers read every chunk (default: Quest's 2 "
+                   "of 32 layers, scaled to the model: max(1, round(layers / 16)))")
 
 
 def check_common(args, needs_disk):
@@ -142,12 +157,28 @@ def check_common(args, needs_disk):
          "--rope-scaling needs --rope-factor F with F > 1"),
         (args.rope_orig_ctx is None or args.rope_orig_ctx > 0,
          "--rope-orig-ctx must be a positive number of positions"),
+        (args.select in ("quest", "oracle") or args.select_budget is None,
+         "--select-budget goes with --select quest or --select oracle"),
+        (args.select not in ("quest", "oracle") or args.select_budget is not None,
+         f"--select {args.select} needs --select-budget TOKENS (at least one chunk)"),
+        (args.select_budget is None or args.chunk_size is None
+         or args.select_budget >= args.chunk_size,
+         f"--select-budget {args.select_budget} is below one chunk of {args.chunk_size} "
+         "positions; give at least --chunk-size tokens"),
+        (args.select_dense is None or (args.select != "all" and args.select_dense >= 0),
+         "--select-dense N (N >= 0) goes with --select sink, quest or oracle"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
     if needs_disk:
         args.created_offload_dir = check_writable_dir(args.offload_dir)
+
+
+def select_fields(args):
+    """OffloadConfig's selection fields, from --select, --select-budget and --select-dense."""
+    return {"select": args.select, "select_budget": args.select_budget,
+            "select_dense": args.select_dense}
 
 
 def open_kv_store(args):
@@ -336,7 +367,7 @@ def build_parser():
     b.add_argument("--trace",
                    help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
                    "alerts; appended to, each run starting with a {\"run_start\"} event")
-    return p
+    return one_line_errors(p)
 
 
 def resolve(args):
@@ -391,7 +422,8 @@ def resolve(args):
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
-                        keep_files=args.keep_cache, staging_slots=args.staging_slots)
+                        keep_files=args.keep_cache, staging_slots=args.staging_slots,
+                        **select_fields(args))
     return cfg, text
 
 
@@ -467,6 +499,8 @@ def main(argv=None):
             "max_context": model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
             "rope_override": bool(args.rope_scaling),
             "tp": layout.tp, "replicas": layout.n_replicas,
+            "select": cfg.select, "select_budget": cfg.select_budget,
+            "select_dense": cfg.select_dense,
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         rank = layout.rank if layout else int(os.environ.get("RANK", "0"))

@@ -24,11 +24,11 @@ _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only; elsewhere trim
 # the loop
 
 @torch.inference_mode()
-def forward(model, cache, tokens):
+def forward(model, cache, tokens, decode=False):
     """One cached step: tokens [B, T] that fit in the open chunk -> logits [B, V] of the last
-    position."""
+    position. A decode step may read fewer sealed chunks than a prefill step (policy.py)."""
     # bookkeeping: the step fits in the open chunk; the selection plans which chunks it reads
-    cache.begin(tokens.shape[1])
+    cache.begin(tokens.shape[1], decode)
     # data: the planned chunks that are off the device start moving in
     cache.store.prefetch(cache.reads())
     # each layer: write k, v into the open chunk, attend over the chunks it reads
@@ -66,7 +66,7 @@ def trim_heap():
 
 def decode_one_token(model, cache, token):
     """token [B, 1] -> logits [B, V] of the next position."""
-    return forward(model, cache, token)
+    return forward(model, cache, token, decode=True)
 
 
 @dataclass

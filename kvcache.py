@@ -37,6 +37,8 @@ from kvlayout import chunk_layout
 from offload import TieredStore
 from policy import Exact, make_selection
 
+EXACT = Exact()  # what every prefill step reads: every visible chunk
+
 # Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a
 # handful. On CPU the flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient
 # attention (fp32), checked once per (device, dtype) against the matmul path below, which stays the
@@ -213,6 +215,7 @@ class KVCache:
         self.selection = selection or Exact()
         self.length = 0                     # positions already written and committed
         self.T = 0                          # tokens of the step in flight
+        self.decoding = False               # whether it is a decode step
         self.first = []                     # per layer: the step's first visible sealed chunk
         self.visits = []                    # per layer: the sealed chunks it reads (None: not yet)
         self.queued = 0                     # layers whose reads the store has been given
@@ -224,9 +227,10 @@ class KVCache:
     def n_sealed(self):
         return self.length // self.chunk_size
 
-    def begin(self, T):
+    def begin(self, T, decode=False):
         """Check the step fits in the open chunk, and plan what each layer reads: the visible
-        chunks (sliding windows), then what the selection keeps of them."""
+        chunks (sliding windows), then what the selection keeps of them (decode steps only: a
+        prefill step reads every visible chunk, whatever the selection)."""
         off = self.length % self.chunk_size
         if T < 1 or off + T > self.chunk_size:
             raise ValueError(f"a step of {T} tokens at position {self.length} crosses a chunk "
@@ -236,9 +240,11 @@ class KVCache:
             raise ValueError(f"the cache holds {self.store.max_length} positions; position "
                              f"{self.length + T} is past it")
         self.T = T
+        self.decoding = decode
         n = self.n_sealed
         self.first = [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
-        self.visits = [self.selection.visits(layer, first, n, T)
+        selection = self.selection if decode else EXACT
+        self.visits = [selection.visits(layer, first, n, T)
                        for layer, first in enumerate(self.first)]
         self.queued = 0
 
@@ -296,7 +302,7 @@ class KVCache:
                 release(layer, j)  # its staging slot may be refilled
 
         partials = sealed_partials()
-        if self.selection.reads_all:  # the oracle: attend every visible chunk, merge the best
+        if self.decoding and self.selection.reads_all:  # the oracle: attend all, merge the best
             partials = list(partials)
             lse = torch.stack([p[1] for p in partials])    # [n, B, G, R*T, 1]
             chosen = self.selection.choose(layer, first, n, T, lse)
@@ -320,7 +326,7 @@ class KVCache:
         self.skipped["window_skipped"] += min(first, n) * chunk
         self.skipped["select_skipped"] += (n - first - read) * chunk
         self.skipped["kv_read"] += read * chunk
-        if self.T == 1:
+        if self.decoding:
             self.decode_chunks += read
 
     def commit(self):
@@ -328,7 +334,7 @@ class KVCache:
         full and must be sealed (the caller does that, visibly: it moves data); its keys are
         summarised for the selection first, while it is still the open chunk."""
         self.length += self.T
-        self.decode_steps += self.T == 1
+        self.decode_steps += self.decoding
         self.T = 0
         for key, nbytes in self.skipped.items():
             self.store.count(key, nbytes)

@@ -41,7 +41,8 @@ class Exact:
     reads_all = False   # True: attend every visible chunk, then merge the ones `choose` keeps
 
     def visits(self, layer, first, n_sealed, T, q=None):
-        """The sealed chunks `layer` attends this step, ascending (attention's order). Asked first
+        """The sealed chunks `layer` attends in this decode step of T queries (prefill steps read
+        every visible chunk, whatever the selection), ascending: attention's order. Asked first
         at the start of the step without q; None then means "ask again with this layer's queries
         q [B, G, R*T, D], scaled", and the cache does when the layer runs."""
         return list(range(first, n_sealed))
@@ -66,8 +67,8 @@ class Sparse(Exact):
         self.dense = dense
 
     def always(self, layer, first, n_sealed, T):
-        """The chunks this step reads in any case, or None when the step is exact."""
-        if T != 1 or layer < self.dense:
+        """The chunks this decode step reads in any case, or None when it is exact."""
+        if layer < self.dense:
             return None
         recent = set(range(max(first, n_sealed - self.window), n_sealed))
         if n_sealed - first - len(recent) <= self.budget_chunks:  # the budget covers the rest

@@ -73,6 +73,11 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
         "max_new_tokens": max_new_tokens,
         "sampling": vars(sampling),
     }
+    # which chunks decode steps read shapes the tokens, and so their KV (None: exact, which is
+    # also what a manifest written before --select existed says)
+    task["select"] = None
+    if cfg.select != "all":
+        task["select"] = [cfg.select, cfg.select_budget, cfg.select_dense, cfg.window]
     manifest = taskdir.read_manifest() if taskdir and fingerprint else None
     n_restore, replay, why = resume_point(manifest, task, chunk_size)
     if why and log:
@@ -116,6 +121,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                 log(f"task {task_id}: chunk {restored} is missing or fails its checksum{where}; "
                     "recomputing from there")
             cache.length = restored * chunk_size
+            cache.summarize_restored(restored)  # a selection's digests of the restored chunks
             resumed_from = cache.length
             if kv_store:
                 prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model,
@@ -190,6 +196,8 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     decode_rate = 0.0
     if clock["decode_s"]:
         decode_rate = round(clock["decode_steps"] / clock["decode_s"], 2)
+    # sealed chunks attention read per decode step, all layers together (--select reads fewer)
+    read_per_step = round(cache.decode_chunks / max(1, cache.decode_steps), 2)
     return new, {
         "prefill_s": round(clock["prefill_s"], 4),
         "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),
@@ -198,6 +206,7 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
         # decoded in this run: a resumed task's replayed tokens are not
         "decoded_tokens": clock["decode_steps"],
         "decode_tokens_per_s": decode_rate,
+        "chunks_read_per_decode_step": read_per_step,
         # this task's own accounting (CUDA and CPU alike): the weights plus the KV chunks it
         # allocated on the device
         "peak_device_bytes": weights + snap["kv_device_bytes_peak"],

@@ -161,6 +161,33 @@ def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, comp
     assert other[2]["chunks"][tier] > 0, (label, other[2])
 
 
+SELECT_CASES = [  # selection, mode, compress, window, staging slots
+    ("quest", "cpu", "none", 0, 1),
+    ("quest", "disk", "zstd", 1, 2),
+    ("oracle", "disk", "none", 1, 2),
+    ("sink", "cpu", "none", 1, 3),
+]
+
+
+@pytest.mark.parametrize("select,mode,compress,window,slots", SELECT_CASES)
+def test_selection_on_the_cuda_path_bit_identical_and_race_free(llama, tmp_path, select, mode,
+                                                                compress, window, slots):
+    """A selection reads some chunks: the ones a query-aware selection (quest) decides as each
+    layer runs go through the staging slots layer by layer (prefetch_more), in attention's
+    order; against the same selection with --offload none, outside the emulation."""
+    ids = prompt(P, llama.args.vocab_size)
+    sel = dict(select=select, select_budget=None if select == "sink" else 2 * C, select_dense=0,
+               window=window)
+    reference = run(llama, ids, NEW, **sel)
+    label = f"{select} {mode}+{compress} window {window} slots {slots}"
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        other = run(llama, ids, NEW, mode=mode, compress=compress, staging_slots=slots,
+                    offload_dir=str(tmp_path), **sel)
+    assert_good(emu, reference, other, label)
+    if select != "oracle":  # the oracle reads every chunk
+        assert other[2]["bytes"]["select_skipped"] > 0, other[2]
+
+
 def test_host_budget_spills_to_disk(llama, base, tmp_path):
     """--offload disk with a small --cpu-budget: the host pool (pinned) takes the first evicted
     chunks, disk the rest."""
@@ -183,14 +210,18 @@ def crash_at_6(out):
         raise Crash
 
 
-@pytest.mark.parametrize("compress", ["none", "zstd"])
-def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress):
+@pytest.mark.parametrize("compress,select", [("none", "all"), ("zstd", "all"), ("none", "quest")])
+def test_crashed_run_resumes_from_the_disk_tier(llama, base, tmp_path, compress, select):
     """A task killed mid-decode keeps its directory (manifest + chunks); the rerun restores the
     chunks the manifest vouches for, through the read bounces and staging slots, and must still
-    match --offload none."""
+    match --offload none (under quest: its digests rebuilt from the restored chunks)."""
     ids = prompt(P, llama.args.vocab_size)
+    sel = {}
+    if select != "all":
+        sel = dict(select=select, select_budget=2 * C, select_dense=0)
+        base = run(llama, ids, NEW, window=1, **sel)
     cfg = dict(mode="disk", compress=compress, window=1, staging_slots=2, offload_dir=str(tmp_path),
-               keep_files=True)
+               keep_files=True, **sel)
     with cuda_emu.emulate(strict_waits=True) as emu:
         with pytest.raises(Crash):
             run(llama, ids, NEW, task_id="t", fingerprint="model-a", on_token=crash_at_6, **cfg)

@@ -224,9 +224,9 @@ def test_sliding_window_cached_and_offloaded(pair, windowed_make_cache, monkeypa
     real_begin = KVCache.begin
     real_load = TieredStore.load
 
-    def begin(self, T):
+    def begin(self, T, decode=False):
         at[0] = self.length
-        return real_begin(self, T)
+        return real_begin(self, T, decode)
 
     def load(self, layer, j):
         loads.append((at[0], layer, j))

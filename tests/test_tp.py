@@ -120,6 +120,16 @@ def test_tp_disk_offload_bit_identical_to_none(two_ranks, case):
         assert r[case]["disk_chunks"] > 0  # the disk tier was in use
 
 
+def test_tp_selection_per_rank_bit_identical_across_modes(two_ranks):
+    """Under --select quest each rank scores chunks with the heads it holds and reads its own
+    choice; the ranks stay on rank 0's tokens, and each rank's disk tier matches its own
+    --offload none bit for bit."""
+    results, _ = two_ranks
+    for r in results:
+        assert r["gqa"]["quest_disk_bit_identical"] and r["gqa"]["quest_skipped"] > 0
+    assert results[0]["gqa"]["quest_tokens"] == results[1]["gqa"]["quest_tokens"]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp_each_rank_reads_only_its_slices(two_ranks, reference, case):
     results, _ = two_ranks

@@ -84,6 +84,13 @@ def tp_case(case, layout, out, tensors):
     res["disk_bit_identical"] = torch.equal(disk_steps, tensors[f"{name}.steps"])
     res["disk_chunks"] = stats["chunks"]["disk"]
     res["gathered"] = gather_stats({"rank": r, "disk_chunks": stats["chunks"]["disk"]}, layout)
+    if name == "gqa":  # a query-aware selection: each rank selects for the heads it holds
+        sel = dict(window=0, select="quest", select_budget=2 * C, select_dense=0)
+        res["quest_tokens"], quest_none, quest_stats = run(model, layout, OffloadConfig(**sel))
+        res["quest_skipped"] = quest_stats["bytes"]["select_skipped"]
+        quest_cfg = OffloadConfig(mode="disk", offload_dir=off, **sel)
+        _, quest_disk, _ = run(model, layout, quest_cfg)
+        res["quest_disk_bit_identical"] = torch.equal(quest_none, quest_disk)
 
     # KV per rank, measured from the chunk tensors the store holds after a 2-chunk prefill
     cache = make_cache(model, OffloadConfig(), C, 4 * C)
