@@ -111,8 +111,8 @@ def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch,
     real_forward = generate.forward
     real_load = TieredStore.load
 
-    def forward(model, cache, tokens):  # counts steps and where each ended, apart from verify.py
-        logits = real_forward(model, cache, tokens)
+    def forward(model, cache, tokens, decode=False):  # counts steps and where each ended
+        logits = real_forward(model, cache, tokens, decode)
         steps.append(cache.length)
         return logits
 
