@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import launch
 from disk import DISK_FULL, DiskError
 from pools import OffloadError
+from private import PrivateError, open_private
 from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import messages_problem
 from tp import Layout
@@ -87,14 +88,17 @@ class Results:
     def __init__(self, path, log):
         self.path = path
         self.lock = threading.Lock()
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        except OSError as e:
-            raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
+        try:  # created 0600, never through a link at its name (private.open_private)
+            self.fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        except (OSError, PrivateError) as e:
+            raise ValueError(f"--output {path}: cannot be opened "
+                             f"({getattr(e, 'strerror', None) or e})") from None
         self.done = set()
         # other processes (replicas under torchrun) may append to the same file
         with self.locked():
-            with open(path, "rb") as f:
+            # read through our own descriptor, never by name again
+            with open(self.fd, "rb", closefd=False) as f:
+                f.seek(0)
                 data = f.read()
             # only a crash of another writer can leave this; drop the tail
             if data and not data.endswith(b"\n"):

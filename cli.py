@@ -29,6 +29,7 @@ from model import ModelArgs
 from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from pools import OffloadError
+from private import PrivateError, create_private, make_private_dir
 from progress import Progress
 from quantize import kernel_status
 from random_model import PRESETS, parse_model_spec
@@ -150,25 +151,27 @@ def check_common(args, needs_disk):
         args.created_offload_dir = check_writable_dir(args.offload_dir)
 
 
-def open_kv_store(args):
-    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError."""
+def open_kv_store(args, log=None):
+    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError.
+    log: where the store reports each entry it rejects (default stderr)."""
     if not args.kv_store:
         return None
     try:
-        return KVStore(args.kv_store, budget_gib=args.kv_store_budget)
+        return KVStore(args.kv_store, budget_gib=args.kv_store_budget, log=log)
     except StoreError as e:
-        raise UsageError(f"--kv-store {e}") from None
+        raise UsageError(str(e)) from None
 
 
 def check_writable_dir(path):
-    """Create `path` (owner-only) if needed and check it is writable; True if created here."""
-    created = not os.path.exists(path)
+    """Create `path` if needed, check it is private (private.make_private_dir: yours, mode 700, not
+    a link) and writable; True if created here."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        created = make_private_dir(path, "--offload-dir")
+        fd, probe = create_private(path, ".probe-")
+        os.close(fd)
         os.remove(probe)
+    except PrivateError as e:
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--offload-dir {path}: cannot create or write it ({e.strerror or e}); "
                          "choose a writable directory") from None
@@ -448,7 +451,7 @@ def main(argv=None):
             plan_lengths(args, len(prompt_ids), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
-        kv_store = open_kv_store(args)
+        kv_store = open_kv_store(args, log)
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))

@@ -41,6 +41,7 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
+from private import PrivateError, create_private
 from tune import slot
 
 GiB = 2**30
@@ -80,12 +81,12 @@ def writable(path):
     if not os.path.isdir(anc):
         return f"{anc} is a file, so {path} cannot be created"
     if anc == os.path.abspath(path):
-        probe_file = os.path.join(path, f".doctor-{os.getpid()}")
-        try:
-            open(probe_file, "w").close()
+        try:  # a new private file under a random name: nothing planted is opened
+            fd, probe_file = create_private(path, ".doctor-")
+            os.close(fd)
             os.remove(probe_file)
-        except OSError as e:
-            return f"{path} cannot be written ({e.strerror or e})"
+        except (OSError, PrivateError) as e:
+            return f"{path} cannot be written ({getattr(e, 'strerror', None) or e})"
         return None
     if os.access(anc, os.W_OK | os.X_OK):
         return None
