@@ -555,7 +555,10 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     try:
         result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
                          progress=progress)
-    except (UsageError, OffloadError, TaskDirError, OSError) as e:
+    except TaskDirError as e:  # its directory cannot be used: refused before any work
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    except (UsageError, OffloadError, OSError) as e:
         print(f"\ngenerate.py: error: {e}", file=sys.stderr)
         return 1
     finally:
