@@ -21,7 +21,7 @@ import torch
 import launch
 import taskdir
 from batch import run_batch
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError, read_config
 from generate import Sampling
 from kvlayout import KV_DTYPES
 from kvstore import KVStore, StoreError
@@ -188,8 +188,8 @@ def remove_if_empty(path):
 
 def read_model_args(ckpt, args=None):
     """The checkpoint's ModelArgs, with the --rope-scaling override of `args` if it has one."""
-    path = os.path.join(ckpt, "config.json")
-    model_args = ModelArgs.from_config(read_json(path), path)
+    # checked against the weights' headers (checkpoint.read_config)
+    model_args = ModelArgs.from_config(*read_config(ckpt))
     if args and args.rope_scaling:
         return model_args.with_rope_override(*rope_override(args))
     return model_args

@@ -9,7 +9,7 @@ import os
 import re
 from datetime import datetime
 
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError, check_config, check_token_ids, read_json
 
 # the named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -19,9 +19,12 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 class Tokenizer:
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
-        hf_config = read_json(os.path.join(ckpt_dir, "config.json"))
+        config_path = os.path.join(ckpt_dir, "config.json")
+        hf_config = read_json(config_path)
+        check_config(hf_config, config_path)
         gen_path = os.path.join(ckpt_dir, "generation_config.json")
         gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+        check_token_ids(gen, gen_path, hf_config.get("vocab_size"))
         self.bos_id = gen.get("bos_token_id", hf_config.get("bos_token_id"))
         # transformers' generate stops at any of generation_config's eos ids (Llama 3 instruct
         # lists two or three)
