@@ -191,15 +191,15 @@ ROPE_FIELDS = {
 }
 
 
-def check_fields(d, table, where):
+def check_fields(d, table, path, prefix=""):
     """Each field of table present in d is what the table says; else one CheckpointError sentence
-    naming it."""
+    naming it (prefix: where d sits in config.json)."""
     for key, (ok, what, nullable) in table.items():
         if key not in d or (d[key] is None and nullable):
             continue
         if not ok(d[key]):
-            raise CheckpointError(f"{where} '{key}' must be {what}, not {shown(d[key])}; fix "
-                                  "config.json")
+            raise CheckpointError(f"{path}: field '{prefix}{key}' must be {what}, not "
+                                  f"{shown(d[key])}; fix config.json")
 
 
 def shown(v):
@@ -212,10 +212,10 @@ def shown(v):
 def check_config(hf_config, path):
     """Every field of a config.json dict that this project reads, by type and range (ModelArgs,
     rope.py, the tokenizer's BOS and EOS ids)."""
-    check_fields(hf_config, CONFIG_FIELDS, f"{path}: field")
+    check_fields(hf_config, CONFIG_FIELDS, path)
     for key in ("rope_parameters", "rope_scaling"):
         if isinstance(hf_config.get(key), dict):
-            check_fields(hf_config[key], ROPE_FIELDS, f"{path}: field '{key}'")
+            check_fields(hf_config[key], ROPE_FIELDS, path, prefix=f"{key}.")
     check_token_ids(hf_config, path, hf_config.get("vocab_size"))
 
 

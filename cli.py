@@ -12,6 +12,7 @@ on stderr and exit code 2.
 """
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -22,7 +23,7 @@ import launch
 import taskdir
 from batch import run_batch
 from checkpoint import CheckpointError, read_config
-from generate import Sampling
+from generate import SEED_LIMIT, Sampling
 from kvlayout import KV_DTYPES
 from kvstore import KVStore, StoreError
 from model import ModelArgs
@@ -127,20 +128,21 @@ def check_common(args, needs_disk):
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
         (args.window is None or args.window >= 0,
          f"--window must be >= 0, got {args.window}"),
-        (args.cpu_budget is None or args.cpu_budget >= 0,
-         f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}"),
+        (args.cpu_budget is None or (math.isfinite(args.cpu_budget) and args.cpu_budget >= 0),
+         f"--cpu-budget must be a number >= 0 GiB, got {args.cpu_budget}"),
         (args.threads is None or args.threads >= 1,
          f"--threads must be >= 1, got {args.threads}"),
         (args.staging_slots >= 1,
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
-        (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
-         "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
+        (args.kv_store_budget is None
+         or (args.kv_store and math.isfinite(args.kv_store_budget) and args.kv_store_budget > 0),
+         "--kv-store-budget goes with --kv-store DIR and must be a number > 0 GiB"),
         ((args.rope_factor is None and args.rope_orig_ctx is None) or args.rope_scaling,
          "--rope-factor and --rope-orig-ctx go with --rope-scaling {linear,yarn,llama3}"),
-        (not args.rope_scaling or (args.rope_factor or 0) > 1,
-         "--rope-scaling needs --rope-factor F with F > 1"),
+        (not args.rope_scaling or (math.isfinite(args.rope_factor or 0) and args.rope_factor > 1),
+         "--rope-scaling needs --rope-factor F with F a number > 1"),
         (args.rope_orig_ctx is None or args.rope_orig_ctx > 0,
          "--rope-orig-ctx must be a positive number of positions"),
     ]
@@ -363,8 +365,11 @@ def resolve(args):
          f"--max-length must be >= 1, got {args.max_length}"),
         (args.compress == "none" or args.offload == "disk",
          "--compress zstd applies to the disk tier; add --offload disk"),
-        (args.temperature >= 0 and args.top_k >= 0 and 0 < args.top_p <= 1,
-         "--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (math.isfinite(args.temperature) and args.temperature >= 0 and args.top_k >= 0
+         and 0 < args.top_p <= 1,
+         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (abs(args.seed) < SEED_LIMIT,
+         f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
         (os.path.isdir(args.ckpt),
          f"--ckpt {args.ckpt}: no such directory"),
         (not args.prompts or args.output,
@@ -375,8 +380,9 @@ def resolve(args):
          f"--concurrency must be >= 1, got {args.concurrency}"),
         (args.fallback_context is None or args.fallback_context > 0,
          "--fallback-context must be >= 1"),
-        (args.fallback_cpu_budget is None or args.fallback_cpu_budget > 0,
-         "--fallback-cpu-budget must be > 0 GiB"),
+        (args.fallback_cpu_budget is None
+         or (math.isfinite(args.fallback_cpu_budget) and args.fallback_cpu_budget > 0),
+         "--fallback-cpu-budget must be a number > 0 GiB"),
         (args.system is None or args.chat,
          "--system goes with --chat; add --chat"),
     ]

@@ -362,8 +362,8 @@ def bounded_sandbox(base):
 def refuse(what):
     """Stop a template that is about to make more than it may."""
     from jinja2.exceptions import SecurityError
-    raise SecurityError(f"{what} is past what a chat template may make ({TEMPLATE_MAX_CHARS} "
-                        "characters)")
+    raise SecurityError(f"{what} would pass {TEMPLATE_MAX_CHARS} characters, the most a chat "
+                        "template may make")
 
 
 def check_arguments(obj, args, kwargs):
