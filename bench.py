@@ -55,6 +55,7 @@ from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
+from private import write_atomic
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
 from random_model import build_random_checkpoint
@@ -466,9 +467,8 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    if args.json:  # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(report, indent=1).encode())
     return 0
 
 

@@ -68,12 +68,14 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     cuda = torch.cuda.is_available()
     p.add_argument("--ckpt", help=ckpt_help)
     p.add_argument("--chunk-size", type=int, default=chunk_size,
-                   help=f"positions per KV chunk, the unit of transfer (default {chunk_size})")
+                   help=f"positions per KV chunk, the unit of transfer, cut to a task's length "
+                   f"where longer (default {chunk_size})")
     p.add_argument("--window", type=int, default=window,
                    help=f"sealed chunks per layer kept on the device (default {window})")
     p.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
-                   help="disk tier root; each task uses DIR/task_<id>/, removed when the task "
-                   "succeeds (default %(default)s, removed too if left empty)")
+                   help="disk tier root, yours and open to nobody else (mode 700; made so when "
+                   "created, refused otherwise); each task uses DIR/task_<id>/, removed when the "
+                   "task succeeds (default %(default)s, removed too if left empty)")
     p.add_argument("--cpu-budget", type=float,
                    help="GiB of host memory for offloaded chunks: with --offload cpu the host "
                    "tier's size (default: all the task needs); with --offload disk a host tier "
@@ -294,8 +296,8 @@ def build_parser():
     add_common_flags(p, None, None)
     for action in p._actions:  # the demo and a real checkpoint differ in these defaults: say both
         if action.dest == "chunk_size":
-            action.help = ("positions per KV chunk, the unit of transfer "
-                           "(default 512; 16 in the demo)")
+            action.help = ("positions per KV chunk, the unit of transfer, cut to a task's length "
+                           "where longer (default 512; 16 in the demo)")
         elif action.dest == "window":
             action.help = "sealed chunks per layer kept on the device (default 4; 1 in the demo)"
     g = p.add_mutually_exclusive_group()

@@ -41,7 +41,7 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
-from private import PrivateError, create_private
+from private import PrivateError, create_private, dir_problem
 from tune import slot
 
 GiB = 2**30
@@ -81,6 +81,9 @@ def writable(path):
     if not os.path.isdir(anc):
         return f"{anc} is a file, so {path} cannot be created"
     if anc == os.path.abspath(path):
+        problem = dir_problem(os.lstat(path))  # generate.py refuses what is not private
+        if problem:
+            return f"{path} {problem}"
         try:  # a new private file under a random name: nothing planted is opened
             fd, probe_file = create_private(path, ".doctor-")
             os.close(fd)

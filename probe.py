@@ -44,7 +44,7 @@ from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
 from pools import OffloadError
-from private import create_private, open_private
+from private import create_private, open_private, write_atomic
 from random_model import SIZE_KEYS, build_random_checkpoint
 from taskdir import TaskDirError
 
@@ -562,8 +562,8 @@ def main(argv=None):
         out = {"machine": machine, "config": describe(args, model_args, contexts, modes),
                "calibration": cal, "verdict": verdict(cal, args, model_args, contexts, modes, cuda),
                "predicted": predicted}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(out, indent=1).encode())
     return 0
 
 

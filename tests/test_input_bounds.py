@@ -99,8 +99,11 @@ def test_chunk_size_and_staging_slots_are_bounded_by_the_task(text_ckpt, tmp_pat
     result = json.loads(out)
     assert result["tokens"] == clean_tokens
     n_positions = result["prompt_tokens"] + 6
-    kv_heads, head_dim = 2, 16  # the checkpoint's G and D: a position holds 2 x G x D fp32 values
-    most = -(-n_positions // 16 + 1) * 16 * 2 * kv_heads * head_dim * 4 + 4096
+    hf_config = json.loads(open(os.path.join(text_ckpt, "config.json")).read())
+    kv_heads = hf_config["num_key_value_heads"]
+    head_dim = hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    # the task's positions (rounded up to a chunk of 16, and to a page) of K and V in fp32
+    most = (n_positions + 16) * 2 * kv_heads * head_dim * 4 + 4096
     for name in os.listdir(off / safe_task_name("0")):
         assert os.path.getsize(off / safe_task_name("0") / name) <= most, name
 
@@ -116,12 +119,11 @@ def test_a_chunk_cut_to_the_task_computes_what_the_uncut_chunk_does(llama_ckpt):
     assert got == want
 
 
-def test_staging_slots_never_exceed_the_chunks_of_the_task():
-    cfg = OffloadConfig(mode="cpu", compress="none", staging_slots=10**9)
+def test_staging_slots_never_exceed_the_chunks_of_the_task(tmp_path):
+    cfg = OffloadConfig(mode="disk", compress="zstd", staging_slots=10**9,
+                        offload_dir=str(tmp_path / "off"))
     store = TieredStore(shape=(2, 1, 2, 8, 16), dtype=torch.float32, n_layers=3, max_length=40,
-                        device="cpu", cfg=OffloadConfig(mode="disk", compress="zstd",
-                                                         staging_slots=10**9,
-                                                         offload_dir=cfg.offload_dir))
+                        device="cpu", cfg=cfg)
     try:
         assert len(store.staging.slots) == 3 * 5  # layers x chunks of 40 positions
     finally:

@@ -108,6 +108,7 @@ def test_offload_dir_open_to_others_is_refused(text_ckpt, tmp_path, capsys, mode
     assert rc == 2
     one_line(err, "--offload-dir", str(off), "open to other users", "chmod 700")
     assert os.listdir(off) == []
+    assert "open to other users" in doctor.writable(str(off))  # the doctor finds it too
 
 
 def test_offload_dir_that_is_a_link_is_refused(text_ckpt, tmp_path, capsys):
