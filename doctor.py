@@ -41,7 +41,7 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
-from private import PrivateError, create_private, dir_problem
+from private import PrivateError, create_private, dir_problem, make_private_dir
 from tune import slot
 
 GiB = 2**30
@@ -366,7 +366,7 @@ def main(argv=None):
                     if found and symptom == "offload dir writable"), None)
     made = args.offload == "disk" and not blocked and not os.path.exists(args.offload_dir)
     if made:
-        os.makedirs(args.offload_dir, mode=0o700)
+        make_private_dir(args.offload_dir, "--offload-dir")  # 0700, and so are missing parents
     try:
         if not device_ok:
             args.device = "cpu"
