@@ -72,8 +72,10 @@ class DiskTier:
                         self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,)))
         except (OSError, PrivateError) as e:
             self.close()
-            raise DiskError(getattr(e, "errno", None), f"--offload-dir: cannot create the disk "
-                            f"tier in {path} ({getattr(e, 'strerror', None) or e})") from None
+            # PrivateError: a link came back at a name just cleared, a file that is not ours
+            code = e.errno if isinstance(e, OSError) else errno.EEXIST
+            raise DiskError(code, f"--offload-dir: cannot create the disk tier in {path} "
+                                  f"({getattr(e, 'strerror', None) or e})") from None
 
     def _open(self, names, fresh):
         """Open every layer's file, private (private.open_private). Fresh: whatever is at the name

@@ -221,8 +221,10 @@ class TaskDir:
     def write_manifest(self, manifest):
         """Atomically (private.write_atomic: a new file, synced, renamed over the old one, the
         directory synced), with the checksum read_manifest checks."""
-        body = {"version": MANIFEST_VERSION, **manifest}
-        text = json.dumps({**body, "check": manifest_check(body)})
+        text = json.dumps({"version": MANIFEST_VERSION, **manifest}, sort_keys=True)
+        # manifest_check's digest of exactly this text, added as the last field: one dump, not two
+        check = hashlib.sha256(text.encode()).hexdigest()
+        text = f'{text[:-1]}, "check": "{check}"}}'
         write_atomic(os.path.join(self.path, "manifest.json"), text.encode())
 
     def close(self, remove):
