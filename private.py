@@ -31,6 +31,8 @@ def make_private_dir(path, what, create=True):
     """Create `path` (and its missing parents) mode 700, or check the directory already there: a
     directory, not a symbolic link, owned by this user, and open to nobody else. Returns True if
     this call created it. `what` names it for the user (a flag such as "--offload-dir")."""
+    given = path
+    path = path.rstrip(os.sep) or os.sep  # "link/" would make lstat follow the link
     created = False
     if create and not os.path.lexists(path):
         created = True
@@ -42,16 +44,16 @@ def make_private_dir(path, what, create=True):
         except FileExistsError:  # another process (a rank, a concurrent task) made it first
             created = False
         except OSError as e:
-            raise PrivateError(f"{what} {path} cannot be created ({e.strerror}); choose a "
+            raise PrivateError(f"{what} {given} cannot be created ({e.strerror}); choose a "
                                "directory you can write") from None
     try:
         st = os.lstat(path)
     except OSError as e:
-        raise PrivateError(f"{what} {path} cannot be used ({e.strerror}); choose a directory you "
+        raise PrivateError(f"{what} {given} cannot be used ({e.strerror}); choose a directory you "
                            "can write") from None
     problem = dir_problem(st)
     if problem:
-        raise PrivateError(f"{what} {path} {problem}")
+        raise PrivateError(f"{what} {given} {problem}")
     return created
 
 

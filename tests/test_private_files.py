@@ -111,12 +111,14 @@ def test_offload_dir_open_to_others_is_refused(text_ckpt, tmp_path, capsys, mode
     assert "open to other users" in doctor.writable(str(off))  # the doctor finds it too
 
 
-def test_offload_dir_that_is_a_link_is_refused(text_ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("slash", ["", "/"])
+def test_offload_dir_that_is_a_link_is_refused(text_ckpt, tmp_path, capsys, slash):
+    """A trailing slash ("link/") would make the check follow the link: it does not."""
     target = tmp_path / "real"
     target.mkdir(mode=0o700)
     off = tmp_path / "off"
     off.symlink_to(target)
-    rc, _, err = generate(text_ckpt, off, capsys)
+    rc, _, err = generate(text_ckpt, str(off) + slash, capsys)
     assert rc == 2
     one_line(err, "--offload-dir", str(off), "symbolic link")
     assert os.listdir(target) == []
@@ -149,6 +151,38 @@ def test_link_at_the_task_directory_is_refused(text_ckpt, tmp_path, capsys, vict
     rc, _, err = generate(text_ckpt, off, capsys)
     assert rc == 2
     one_line(err, safe_task_name("0"), "symbolic link")
+    untouched(victim)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")
+def test_task_directory_of_another_user_is_refused(text_ckpt, tmp_path, capsys):
+    """A task_<id> someone else made (while the offload dir was open to them), holding a manifest
+    of their choosing: refused, never read."""
+    task_dir = private_dir(private_dir(tmp_path / "off") / safe_task_name("0"))
+    (task_dir / "manifest.json").write_text('{"tokens": [1, 2, 3]}')
+    os.chown(task_dir, 4321, 4321)
+    rc, _, err = generate(text_ckpt, tmp_path / "off", capsys)
+    assert rc == 2
+    one_line(err, safe_task_name("0"), "another user")
+
+
+def test_a_hostile_task_directory_fails_that_task_alone(text_ckpt, tmp_path, capsys, victim):
+    """In a batch, the task whose directory holds a planted link fails with one line naming it;
+    the other tasks run."""
+    off = private_dir(tmp_path / "off")
+    (private_dir(off / safe_task_name("a")) / "lock").symlink_to(victim)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": i, "prompt": PROMPT, "max_new_tokens": 2}) + "\n"
+                             for i in ("a", "b")))
+    output = tmp_path / "results.jsonl"
+    capsys.readouterr()
+    rc = cli.main([str(a) for a in ["--ckpt", text_ckpt, "--prompts", tasks, "--output", output,
+                                    "--offload-dir", off, *DISK[:6]]])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    failed = [line for line in err.splitlines() if line.startswith("task a: FAILED")]
+    assert len(failed) == 1 and "symbolic link" in failed[0], err
+    assert [json.loads(line)["id"] for line in output.read_text().splitlines()] == ["b"]
     untouched(victim)
 
 
