@@ -143,7 +143,8 @@ def check_common(args, needs_disk):
          "--kv-store-budget goes with --kv-store DIR and must be a number > 0 GiB"),
         ((args.rope_factor is None and args.rope_orig_ctx is None) or args.rope_scaling,
          "--rope-factor and --rope-orig-ctx go with --rope-scaling {linear,yarn,llama3}"),
-        (not args.rope_scaling or (math.isfinite(args.rope_factor or 0) and args.rope_factor > 1),
+        (not args.rope_scaling or (args.rope_factor is not None
+                                   and math.isfinite(args.rope_factor) and args.rope_factor > 1),
          "--rope-scaling needs --rope-factor F with F a number > 1"),
         (args.rope_orig_ctx is None or args.rope_orig_ctx > 0,
          "--rope-orig-ctx must be a positive number of positions"),

@@ -198,7 +198,10 @@ class KVStore:
             self.last_rejection = str(e)
             self._count(rejected=1)
             self.log(f"{e} (it was removed)")
-            remove_quietly(path)
+            try:
+                os.unlink(path)  # a link goes, never its target
+            except OSError:
+                pass  # a directory: it stays, and every read of this key is a miss
             return None
 
     def _reject(self, path, fd, why):
@@ -282,8 +285,8 @@ class KVStore:
     def write(self, key, chunks):
         """Store one prompt chunk under key: chunks holds one contiguous host tensor or numpy array
         per layer, each a chunk [2, B, G, C, D]. Atomic (temporary file, fsync, rename). Returns the
-        bytes written, 0 when the key is already there (same key, same bytes) or the disk refuses
-        (full, read-only: the run goes on without it)."""
+        bytes written, 0 when the key is already there and whole (same key, same bytes; a bad entry
+        is replaced) or the disk refuses (full, read-only: the run goes on without it)."""
         path = self.path(key)
         flats = [flat_bytes(c) for c in chunks]
         itemsize = chunks[0].itemsize

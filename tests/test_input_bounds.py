@@ -180,6 +180,7 @@ def test_every_bad_line_is_skipped_alone(text_ckpt, tmp_path, capsys):
     (["--kv-store", "STORE", "--kv-store-budget", "nan"], "--kv-store-budget"),
     (["--rope-scaling", "yarn", "--rope-factor", "inf"], "--rope-factor"),
     (["--rope-scaling", "yarn", "--rope-factor", "nan"], "--rope-factor"),
+    (["--rope-scaling", "yarn"], "--rope-factor"),
     (["--seed", str(10**30), "--temperature", "0.7"], "--seed"),
     (["--seed", str(-10**30), "--temperature", "0.7"], "--seed"),
     (["--temperature", "nan"], "--temperature"),
