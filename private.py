@@ -32,7 +32,7 @@ def make_private_dir(path, what, create=True):
     directory, not a symbolic link, owned by this user, and open to nobody else. Returns True if
     this call created it. `what` names it for the user (a flag such as "--offload-dir")."""
     given = path
-    path = path.rstrip(os.sep) or os.sep  # "link/" would make lstat follow the link
+    path = os.fspath(path).rstrip(os.sep) or os.sep  # "link/" would make lstat follow a link
     created = False
     if create and not os.path.lexists(path):
         created = True
@@ -88,7 +88,8 @@ def open_private(path, flags):
                                "remove it") from None
         raise
     st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+    # nlink 0 is a file removed since the open (an eviction): ours still; 2 or more is not
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink > 1:
         os.close(fd)
         raise PrivateError(f"{path} is not a file of this project's (a file of your own with one "
                            "link); remove it")
