@@ -50,7 +50,9 @@ class DiskTier:
         self.maps = []
         names = [f"layer{l}.zst" if compress == "zstd" else f"layer{l}.kv" for l in range(n_layers)]
         try:
-            self.resumed = restore is not None and self._open(names, fresh=False)
+            self.resumed = False
+            if restore is not None:
+                self.resumed = self._open(names, fresh=False)
             if not self.resumed:  # nothing to resume, or files that are not ours: start afresh
                 self._open(names, fresh=True)
             if compress == "zstd":
