@@ -56,6 +56,7 @@ from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
+from private import PrivateError, make_private_dir, write_atomic
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
 from random_model import build_random_checkpoint
@@ -252,8 +253,8 @@ def run_reuse(model, args, contexts):
         cold = []
         warm = []
         for rep in range(args.repeats):
-            # owner-only, as a store of its own would be
-            os.makedirs(args.kv_store, mode=0o700, exist_ok=True)
+            # owner-only, as a store of its own would be (missing parents too)
+            make_private_dir(args.kv_store, "--kv-store")
             store = KVStore(os.path.join(args.kv_store, f"bench-{os.getpid()}-{ctx}-{rep}"))
             for ask, out in zip(asks, (cold, warm)):
                 cfg = OffloadConfig(mode=offload, compress=compress, window=args.window,
@@ -461,15 +462,15 @@ def main(argv=None):
                   f"{machine['loadavg']} -> {machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
             report = {"machine": machine, "config": config, "calibration": cal, "results": rows,
                       "hf": hf_rows}
-    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
+    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError,
+            PrivateError) as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    if args.json:  # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(report, indent=1).encode())
     return 0
 
 

@@ -12,6 +12,7 @@ on stderr and exit code 2.
 """
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -21,8 +22,8 @@ import torch
 import launch
 import taskdir
 from batch import run_batch
-from checkpoint import CheckpointError, read_json
-from generate import Sampling
+from checkpoint import CheckpointError, read_config
+from generate import SEED_LIMIT, Sampling
 from kvlayout import KV_DTYPES
 from kvstore import KVStore, StoreError
 from model import ModelArgs
@@ -30,6 +31,7 @@ from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from policy import SELECTIONS
 from pools import OffloadError
+from private import PrivateError, create_private, make_private_dir
 from progress import Progress
 from quantize import kernel_status
 from random_model import PRESETS, parse_model_spec
@@ -67,12 +69,14 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     cuda = torch.cuda.is_available()
     p.add_argument("--ckpt", help=ckpt_help)
     p.add_argument("--chunk-size", type=int, default=chunk_size,
-                   help=f"positions per KV chunk, the unit of transfer (default {chunk_size})")
+                   help=f"positions per KV chunk, the unit of transfer, cut to a task's length "
+                   f"where longer (default {chunk_size})")
     p.add_argument("--window", type=int, default=window,
                    help=f"sealed chunks per layer kept on the device (default {window})")
     p.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
-                   help="disk tier root; each task uses DIR/task_<id>/, removed when the task "
-                   "succeeds (default %(default)s, removed too if left empty)")
+                   help="disk tier root, yours and open to nobody else (mode 700; made so when "
+                   "created, refused otherwise); each task uses DIR/task_<id>/, removed when the "
+                   "task succeeds (default %(default)s, removed too if left empty)")
     p.add_argument("--cpu-budget", type=float,
                    help="GiB of host memory for offloaded chunks: with --offload cpu the host "
                    "tier's size (default: all the task needs); with --offload disk a host tier "
@@ -141,20 +145,22 @@ def check_common(args, needs_disk):
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
         (args.window is None or args.window >= 0,
          f"--window must be >= 0, got {args.window}"),
-        (args.cpu_budget is None or args.cpu_budget >= 0,
-         f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}"),
+        (args.cpu_budget is None or (math.isfinite(args.cpu_budget) and args.cpu_budget >= 0),
+         f"--cpu-budget must be a number >= 0 GiB, got {args.cpu_budget}"),
         (args.threads is None or args.threads >= 1,
          f"--threads must be >= 1, got {args.threads}"),
         (args.staging_slots >= 1,
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
-        (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
-         "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
+        (args.kv_store_budget is None
+         or (args.kv_store and math.isfinite(args.kv_store_budget) and args.kv_store_budget > 0),
+         "--kv-store-budget goes with --kv-store DIR and must be a number > 0 GiB"),
         ((args.rope_factor is None and args.rope_orig_ctx is None) or args.rope_scaling,
          "--rope-factor and --rope-orig-ctx go with --rope-scaling {linear,yarn,llama3}"),
-        (not args.rope_scaling or (args.rope_factor or 0) > 1,
-         "--rope-scaling needs --rope-factor F with F > 1"),
+        (not args.rope_scaling or (args.rope_factor is not None
+                                   and math.isfinite(args.rope_factor) and args.rope_factor > 1),
+         "--rope-scaling needs --rope-factor F with F a number > 1"),
         (args.rope_orig_ctx is None or args.rope_orig_ctx > 0,
          "--rope-orig-ctx must be a positive number of positions"),
         (args.select in ("quest", "oracle") or args.select_budget is None,
@@ -181,25 +187,27 @@ def select_fields(args):
             "select_dense": args.select_dense}
 
 
-def open_kv_store(args):
-    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError."""
+def open_kv_store(args, log=None):
+    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError.
+    log: where the store reports each entry it rejects (default stderr)."""
     if not args.kv_store:
         return None
     try:
-        return KVStore(args.kv_store, budget_gib=args.kv_store_budget)
+        return KVStore(args.kv_store, budget_gib=args.kv_store_budget, log=log)
     except StoreError as e:
-        raise UsageError(f"--kv-store {e}") from None
+        raise UsageError(str(e)) from None
 
 
 def check_writable_dir(path):
-    """Create `path` (owner-only) if needed and check it is writable; True if created here."""
-    created = not os.path.exists(path)
+    """Create `path` if needed, check it is private (private.make_private_dir: yours, mode 700, not
+    a link) and writable; True if created here."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        created = make_private_dir(path, "--offload-dir")
+        fd, probe = create_private(path, ".probe-")
+        os.close(fd)
         os.remove(probe)
+    except PrivateError as e:
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--offload-dir {path}: cannot create or write it ({e.strerror or e}); "
                          "choose a writable directory") from None
@@ -216,8 +224,8 @@ def remove_if_empty(path):
 
 def read_model_args(ckpt, args=None):
     """The checkpoint's ModelArgs, with the --rope-scaling override of `args` if it has one."""
-    path = os.path.join(ckpt, "config.json")
-    model_args = ModelArgs.from_config(read_json(path), path)
+    # checked against the weights' headers (checkpoint.read_config)
+    model_args = ModelArgs.from_config(*read_config(ckpt))
     if args and args.rope_scaling:
         return model_args.with_rope_override(*rope_override(args))
     return model_args
@@ -320,8 +328,8 @@ def build_parser():
     add_common_flags(p, None, None)
     for action in p._actions:  # the demo and a real checkpoint differ in these defaults: say both
         if action.dest == "chunk_size":
-            action.help = ("positions per KV chunk, the unit of transfer "
-                           "(default 512; 16 in the demo)")
+            action.help = ("positions per KV chunk, the unit of transfer, cut to a task's length "
+                           "where longer (default 512; 16 in the demo)")
         elif action.dest == "window":
             action.help = "sealed chunks per layer kept on the device (default 4; 1 in the demo)"
     g = p.add_mutually_exclusive_group()
@@ -391,8 +399,11 @@ def resolve(args):
          f"--max-length must be >= 1, got {args.max_length}"),
         (args.compress == "none" or args.offload == "disk",
          "--compress zstd applies to the disk tier; add --offload disk"),
-        (args.temperature >= 0 and args.top_k >= 0 and 0 < args.top_p <= 1,
-         "--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (math.isfinite(args.temperature) and args.temperature >= 0 and args.top_k >= 0
+         and 0 < args.top_p <= 1,
+         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (abs(args.seed) < SEED_LIMIT,
+         f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
         (os.path.isdir(args.ckpt),
          f"--ckpt {args.ckpt}: no such directory"),
         (not args.prompts or args.output,
@@ -403,8 +414,9 @@ def resolve(args):
          f"--concurrency must be >= 1, got {args.concurrency}"),
         (args.fallback_context is None or args.fallback_context > 0,
          "--fallback-context must be >= 1"),
-        (args.fallback_cpu_budget is None or args.fallback_cpu_budget > 0,
-         "--fallback-cpu-budget must be > 0 GiB"),
+        (args.fallback_cpu_budget is None
+         or (math.isfinite(args.fallback_cpu_budget) and args.fallback_cpu_budget > 0),
+         "--fallback-cpu-budget must be a number > 0 GiB"),
         (args.system is None or args.chat,
          "--system goes with --chat; add --chat"),
     ]
@@ -480,7 +492,7 @@ def main(argv=None):
             plan_lengths(args, len(prompt_ids), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
-        kv_store = open_kv_store(args)
+        kv_store = open_kv_store(args, log)
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))
@@ -586,7 +598,10 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     try:
         result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
                          progress=progress)
-    except (UsageError, OffloadError, TaskDirError, OSError) as e:
+    except TaskDirError as e:  # its directory cannot be used: refused before any work
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    except (UsageError, OffloadError, OSError) as e:
         print(f"\ngenerate.py: error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -41,6 +41,7 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
+from private import PrivateError, create_private, dir_problem, make_private_dir
 from tune import slot
 
 GiB = 2**30
@@ -80,12 +81,15 @@ def writable(path):
     if not os.path.isdir(anc):
         return f"{anc} is a file, so {path} cannot be created"
     if anc == os.path.abspath(path):
-        probe_file = os.path.join(path, f".doctor-{os.getpid()}")
-        try:
-            open(probe_file, "w").close()
+        problem = dir_problem(os.lstat(path))  # generate.py refuses what is not private
+        if problem:
+            return f"{path} {problem}"
+        try:  # a new private file under a random name: nothing planted is opened
+            fd, probe_file = create_private(path, ".doctor-")
+            os.close(fd)
             os.remove(probe_file)
-        except OSError as e:
-            return f"{path} cannot be written ({e.strerror or e})"
+        except (OSError, PrivateError) as e:
+            return f"{path} cannot be written ({getattr(e, 'strerror', None) or e})"
         return None
     if os.access(anc, os.W_OK | os.X_OK):
         return None
@@ -362,7 +366,7 @@ def main(argv=None):
                     if found and symptom == "offload dir writable"), None)
     made = args.offload == "disk" and not blocked and not os.path.exists(args.offload_dir)
     if made:
-        os.makedirs(args.offload_dir, mode=0o700)
+        make_private_dir(args.offload_dir, "--offload-dir")  # 0700, and so are missing parents
     try:
         if not device_ok:
             args.device = "cpu"

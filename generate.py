@@ -68,6 +68,11 @@ def decode_one_token(model, cache, token):
     return forward(model, cache, token, decode=True)
 
 
+# |seed| below this keeps seed * 1_000_003 + position (sample's generator seed) inside the 64-bit
+# range torch takes
+SEED_LIMIT = 2**43
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0  # 0 = greedy

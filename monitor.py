@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from private import PrivateError, open_private
+
 STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
 
 
@@ -110,6 +112,17 @@ def progress_line(stats, n_prompt, n_new):
     return " | ".join(parts)
 
 
+def open_trace(path):
+    """--trace PATH for appending, line-buffered: created 0600, never through a link at its name
+    (private.open_private); a path that cannot be is one ValueError sentence."""
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except (OSError, PrivateError) as e:
+        raise ValueError(f"--trace {path}: cannot be opened ({getattr(e, 'strerror', None) or e}); "
+                         "choose another file") from None
+    return os.fdopen(fd, "a", buffering=1)
+
+
 def print_to_stderr(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -123,8 +136,8 @@ class Monitor:
     keeps totals for the summary."""
 
     def __init__(self, trace_path=None, log=None, ram=None):
-        # appended to: runs accumulate
-        self.trace = open(trace_path, "a", buffering=1) if trace_path else None
+        # appended to: runs accumulate; private, as it holds the prompts' positions and timings
+        self.trace = open_trace(trace_path) if trace_path else None
         self.log = log or print_to_stderr
         self.ram = total_ram() if ram is None else ram
         self.lock = threading.Lock()

@@ -44,6 +44,7 @@ from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
 from pools import OffloadError
+from private import create_private, open_private, write_atomic
 from random_model import SIZE_KEYS, build_random_checkpoint
 from taskdir import TaskDirError
 
@@ -145,18 +146,23 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
     """Sequential write then read of a scratch file in dirpath, around the page cache: O_DIRECT
     where the file system allows it, else buffered I/O + fsync + posix_fadvise(DONTNEED), so that
     the read comes from the device."""
-    path = os.path.join(dirpath, f".bench-probe-{os.getpid()}")
     buf = mmap.mmap(-1, block)  # mmap: page aligned
     buf.write(os.urandom(block))
     direct = getattr(os, "O_DIRECT", 0)
     method = "O_DIRECT"
+    # a new private file under a random name (private.create_private): nothing planted is opened
+    fd, path = create_private(dirpath, ".bench-probe-")
+    os.close(fd)
+    fd = None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        fd = open_private(path, os.O_WRONLY | direct)
         os.write(fd, buf)  # some file systems accept O_DIRECT at open and refuse the first write
     except OSError:
+        if fd is not None:
+            os.close(fd)
         direct = 0
         method = "buffered + fsync + posix_fadvise(DONTNEED)"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_private(path, os.O_WRONLY)
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         t = time.perf_counter()
@@ -167,7 +173,7 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
         # drop the (now clean) cached pages before reading
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        fd = os.open(path, os.O_RDONLY | direct)
+        fd = open_private(path, os.O_RDONLY | direct)
         t = time.perf_counter()
         while os.readv(fd, [buf]) > 0:
             pass
@@ -556,8 +562,8 @@ def main(argv=None):
         out = {"machine": machine, "config": describe(args, model_args, contexts, modes),
                "calibration": cal, "verdict": verdict(cal, args, model_args, contexts, modes, cuda),
                "predicted": predicted}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(out, indent=1).encode())
     return 0
 
 

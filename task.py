@@ -16,13 +16,14 @@ from kvstore import STALE_CLAIM_S, chunk_keys
 from monitor import host_memory, process_io
 from pools import on_cuda
 from quantize import weight_bytes
-from taskdir import TaskDir, run_fingerprint
+from taskdir import TaskDir, chunks_problem, manifest_size_bound, run_fingerprint, tokens_problem
 from tp import Layout, agree_min, broadcast_token
 
 
-def resume_point(manifest, task, chunk_size):
-    """From a manifest left by an interrupted run:
-    (chunks to restore, generated tokens to replay, why not)."""
+def resume_point(manifest, task, model_args, eos_ids=()):
+    """From a manifest left by an interrupted run (its checksum checked by read_manifest):
+    (chunks to restore, generated tokens to replay, why not). Every field is checked by type and
+    range against this task and model before it is used (taskdir.tokens_problem, chunks_problem)."""
     if manifest is None:
         return 0, [], None
     for key, value in task.items():
@@ -31,12 +32,18 @@ def resume_point(manifest, task, chunk_size):
             if key == "fingerprint":
                 why = " (other weights, or a setting that changes the KV)"
             return 0, [], f"manifest was written for another {key}{why}"
-    tokens = manifest.get("tokens", [])
+    C = task["chunk_size"]
     P = len(task["prompt_ids"])
-    if tokens[:P] != task["prompt_ids"]:
-        return 0, [], "manifest tokens do not start with this prompt"
+    tokens = manifest.get("tokens")
+    chunks = manifest.get("chunks")
+    max_chunks = -(-(P + task["max_new_tokens"]) // C)
+    why = (tokens_problem(tokens, task["prompt_ids"], task["max_new_tokens"],
+                          model_args.vocab_size, eos_ids)
+           or chunks_problem(chunks, model_args.n_layers, max_chunks, task["compress"] == "zstd"))
+    if why:
+        return 0, [], f"manifest {why}"
     # keep >= 1 position to recompute
-    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)
+    n = min(len(chunks), (len(tokens) - 1) // C)
     return n, tokens[P:], None
 
 
@@ -59,6 +66,10 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     vouch for, and rank 0's sampled token is everyone's."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
+    # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
+    # sealed, so the output is the same, and nothing is allocated or reserved for positions that
+    # cannot exist
+    chunk_size = min(chunk_size, len(prompt_ids) + max_new_tokens)
     taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
     if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
         fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
@@ -78,8 +89,16 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     task["select"] = None
     if cfg.select != "all":
         task["select"] = [cfg.select, cfg.select_budget, cfg.select_dense, cfg.window]
-    manifest = taskdir.read_manifest() if taskdir and fingerprint else None
-    n_restore, replay, why = resume_point(manifest, task, chunk_size)
+    manifest = None
+    why = None  # a manifest that cannot be used: reported, and the task starts over
+    if taskdir and fingerprint:
+        n_tokens = len(prompt_ids) + max_new_tokens
+        bound = manifest_size_bound(n_tokens, -(-n_tokens // chunk_size), model.args.n_layers)
+        manifest, why = taskdir.read_manifest(bound)
+    if why is None:
+        n_restore, replay, why = resume_point(manifest, task, model.args, eos_ids)
+    else:
+        n_restore, replay = 0, []
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
     # the ranks of a replica step together: same prefix, same replay
