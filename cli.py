@@ -496,7 +496,8 @@ def main(argv=None):
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
         if cfg.mode != "none":
-            monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
+            monitor.context_stayed_on_device(task["id"], stats, len(ids) + len(new),
+                                             args.chunk_size, cfg.window, model_args.n_layers)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
                   "text": tokenizer.decode(new)}
         if context:

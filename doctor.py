@@ -41,6 +41,7 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
+from policy import plan_tiers
 from tune import slot
 
 GiB = 2**30
@@ -109,12 +110,14 @@ def check_config(args, model_args):
     open chunk."""
     C = args.chunk_size
     W = args.window
-    n = -(-args.context // C)
+    tiers, _ = plan(args, model_args)
+    n = tiers.per_layer
     symptom = "offload not in effect"
     if args.offload == "none":
         return False, symptom, "--offload none: the KV is meant to stay on the device", ""
-    if W + 1 < n:
-        checked = f"{n} chunks of {C} per layer, {W} in the window: {n - W - 1} leave the device"
+    if tiers.offloaded:
+        leave = tiers.offloaded // model_args.n_layers
+        checked = f"{n} chunks of {C} per layer, {W} in the window: {leave} leave the device"
         return False, symptom, checked, ""
     # the largest power of two that gives at least W + 2 chunks
     smaller = 1 << max(0, (args.context // (W + 2)).bit_length() - 1)
@@ -145,30 +148,36 @@ def check_dir(args):
     return out
 
 
+def plan(args, model_args):
+    """Where the chunks of --context positions go under this configuration (policy.plan_tiers),
+    and the bytes of one chunk as the tiers allocate it."""
+    chunk = slot(model_args, args, args.chunk_size)
+    host_slots = None  # the policy's default: all of --offload cpu, none of --offload disk
+    if args.cpu_budget is not None:
+        host_slots = int(args.cpu_budget * GiB) // chunk
+    tiers = plan_tiers(args.context, args.chunk_size, args.window, model_args.n_layers,
+                       args.offload, host_slots)
+    return tiers, chunk
+
+
 def plan_bytes(args, model_args):
     """KV bytes at the context: per chunk, offloaded in all, and the part the host holds."""
-    L = model_args.n_layers
-    chunk = slot(model_args, args, args.chunk_size)
-    n = -(-args.context // args.chunk_size)
-    off = 0 if args.offload == "none" else L * max(0, n - 1 - args.window) * chunk
-    if args.cpu_budget is not None:
-        budget = args.cpu_budget * GiB
-    else:
-        budget = off if args.offload == "cpu" else 0
+    tiers, chunk = plan(args, model_args)
+    off = tiers.offloaded * chunk
     if args.offload == "disk" and fs_type(args.offload_dir) in IN_RAM:
         on_host = off  # the disk tier's files are in memory too
     else:
-        on_host = min(off, budget)
+        on_host = tiers.host * chunk
     return chunk, off, on_host
 
 
 def check_budget(args, model_args):
-    chunk, off, _ = plan_bytes(args, model_args)
+    tiers, chunk = plan(args, model_args)
+    off = tiers.offloaded * chunk
     symptom = "budget smaller than the KV"
-    if args.offload == "cpu" and args.cpu_budget is not None and args.cpu_budget * GiB < off:
-        held = int(args.cpu_budget * GiB) // chunk
-        cause = (f"--cpu-budget {args.cpu_budget:g} GiB holds {held} of the {off // chunk} chunks "
-                 f"offloaded at {args.context} tokens ({fmt_bytes(off)})")
+    if tiers.unplaced:
+        cause = (f"--cpu-budget {args.cpu_budget:g} GiB holds {tiers.host} of the "
+                 f"{tiers.offloaded} chunks offloaded at {args.context} tokens ({fmt_bytes(off)})")
         fix = f"--cpu-budget {math.ceil(off / GiB * 1e4) / 1e4:g} or --offload disk"
         return True, symptom, cause, fix
     if args.offload == "disk":

@@ -29,6 +29,7 @@ from checkpoint import CheckpointError
 from cli import (
     DEMO_CKPT,
     DTYPES,
+    MODE_SPECS,
     UsageError,
     add_measure_flags,
     check_measure,
@@ -43,6 +44,7 @@ from kvcache import make_cache
 from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
+from policy import plan_tiers
 from pools import OffloadError
 from random_model import SIZE_KEYS, build_random_checkpoint
 from taskdir import TaskDirError
@@ -350,9 +352,13 @@ def median_of(cals):
     return cals[0]
 
 
-def n_sealed(ctx, args):
-    """Sealed chunks per layer, halfway through decoding."""
-    return (ctx + args.new_tokens // 2) // args.chunk_size
+def halfway(ctx, mode, args, model_args):
+    """The chunks per tier halfway through decoding (policy.plan_tiers), when ctx +
+    new_tokens // 2 positions are written: plan_tiers counts the chunk of the next position as the
+    open one."""
+    tier = MODE_SPECS[mode][0]
+    return plan_tiers(ctx + args.new_tokens // 2 + 1, args.chunk_size, args.window,
+                      model_args.n_layers, tier)
 
 
 def predict_decode(cal, ctx, mode, args, model_args, cuda):
@@ -361,7 +367,7 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
                 sampling, Python)
         a       attending to one sealed chunk: (step at n_b sealed chunks - fixed) / (L * n_b),
                 measured
-        n_off   L * (n_sealed - window) chunks not on the device (0 with --offload none); each
+        n_off   the chunks not on the device (policy.plan_tiers; 0 with --offload none); each
                 costs instead:
     CPU, cpu and raw disk: read in place (disk through views of the mapped file made once), nothing
     moves: a.
@@ -375,9 +381,9 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
     a = cal["chunk_s"]
     if mode == "disk+zstd" and not z:
         return None
-    L = model_args.n_layers
-    sealed = L * n_sealed(ctx, args)
-    n_off = 0 if mode == "none" else L * max(0, n_sealed(ctx, args) - args.window)
+    tiers = halfway(ctx, mode, args, model_args)
+    sealed = tiers.device + tiers.offloaded
+    n_off = tiers.offloaded
     chunk = chunk_bytes(model_args, args, args.chunk_size)
     worker = cal["worker_handoff_s"]
     if mode == "disk+zstd":
@@ -411,7 +417,7 @@ def predict_prefill(fit, cal, ctx, mode, args, model_args):
     s = N * fixed + per_chunk * N * (N - 1) / 2
     if mode == "disk+zstd" and cal.get("zstd"):
         chunk = chunk_bytes(model_args, args, args.chunk_size)
-        leaving = model_args.n_layers * max(0, N - 1 - args.window)
+        leaving = plan_tiers(ctx, args.chunk_size, args.window, model_args.n_layers).offloaded
         s += leaving * chunk / (cal["zstd"]["compress_gbps"] * GB)
     return ctx / s
 

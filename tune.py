@@ -52,6 +52,7 @@ from kvlayout import kv_bytes_per_token
 from model import Transformer
 from monitor import mem_available
 from offload import OffloadConfig
+from policy import plan_tiers
 from pools import OffloadError
 from quantize import weight_bytes
 from random_model import PRESETS, build_random_checkpoint, parse_model_spec
@@ -108,26 +109,26 @@ def slot(model_args, args, C):
 
 def plan(c, model_args, args, cuda):
     """Fill c.kv and c.staged as offload.TieredStore will allocate them for args.context +
-    args.new_tokens positions of args.dtype and args.kv_dtype."""
+    args.new_tokens positions of args.dtype and args.kv_dtype: the chunks per tier from
+    policy.plan_tiers (as the store sizes its host pool), times the aligned chunk."""
     L = model_args.n_layers
-    n = -(-(args.context + args.new_tokens) // c.chunk_size)
     slot_b = slot(model_args, args, c.chunk_size)
     c.chunk_bytes = probe.chunk_bytes(model_args, args, c.chunk_size)
     c.staged = c.offload != "none" and (cuda or c.compress == "zstd")
+    host_slots = None  # --offload cpu: the host tier holds every offloaded chunk
+    if c.offload == "disk":  # a host tier of --cpu-budget in front of the disk
+        host_slots = int((c.cpu_budget or 0) * 2**30) // slot_b
+    tiers = plan_tiers(args.context + args.new_tokens, c.chunk_size, c.window, L, c.offload,
+                       host_slots)
     if c.offload == "none":
-        c.kv = {"device": L * n * slot_b, "host": 0, "disk": 0}
+        c.kv = {"device": L * tiers.per_layer * slot_b, "host": 0, "disk": 0}
         return c
-    # the last chunk is never sealed, so never offloaded
-    off = L * max(0, n - 1 - c.window) * slot_b
-    if c.offload == "cpu":
-        host = off
-    else:
-        host = min(off, int((c.cpu_budget or 0) * 2**30) // slot_b * slot_b)
     # the pinned bounce buffers between the disk and the device
     bounces = (c.staging_slots + L) * slot_b if cuda and c.offload == "disk" else 0
     staging = c.staging_slots if c.staged else 0
-    c.kv = {"device": (L * (c.window + 1) + staging) * slot_b, "host": host + bounces,
-            "disk": off - host}
+    # the device: the windows' sealed chunks, each layer's open chunk, the staging slots
+    c.kv = {"device": (tiers.device + L + staging) * slot_b,
+            "host": tiers.host * slot_b + bounces, "disk": tiers.disk * slot_b}
     return c
 
 

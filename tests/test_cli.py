@@ -147,7 +147,8 @@ def test_offload_that_never_takes_effect_is_said_once(text_ckpt, tmp_path, capsy
                                   "--max-new-tokens", 3, "--json"], capsys)
     assert rc == 0
     lines = [line for line in err.splitlines() if "nothing left the device" in line]
-    assert len(lines) == 1 and "--window" in lines[0] and "chunks" in lines[0], err
+    # per layer, not the total over the 2 layers
+    assert len(lines) == 1 and "--window" in lines[0] and "(1 chunk per layer" in lines[0], err
     rc, _, err = main_in_process(["--ckpt", text_ckpt, "--prompt", TEXT * 3, "--offload", "disk",
                                   "--offload-dir", tmp_path, "--chunk-size", 8, "--window", 1,
                                   "--max-new-tokens", 3, "--json"], capsys)
