@@ -89,14 +89,20 @@ def fmt_bytes(n):
 
 
 def progress_line(stats, n_prompt, n_new):
-    """The statistics line generate.py prints on stderr after one prompt."""
+    """The statistics line generate.py prints on stderr after one prompt. Prefill counts the prompt
+    tokens computed (not those reused from --kv-store or restored by a resume); decode counts the
+    decode steps, one fewer than the n_new tokens, since prefill's logits give the first."""
     b = stats["bytes"]
     c = stats["chunks"]
     io = stats["io"]
+    computed = stats.get("prefill_tokens", n_prompt)
+    prefill = f"prefill {computed} tok"
+    if computed != n_prompt:
+        prefill += f" of {n_prompt}"
     parts = [
-        f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s "
-        f"({stats['prefill_tokens_per_s']:.1f} tok/s)",
-        f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s",
+        f"{prefill} {stats['prefill_s']:.2f}s ({stats['prefill_tokens_per_s']:.1f} tok/s)",
+        f"new {n_new} tok, decode {stats['decoded_tokens']} tok "
+        f"{stats['decode_tokens_per_s']:.1f} tok/s",
         f"peak device {fmt_bytes(stats['peak_device_bytes'])}",
         f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} "
         f"(anon {fmt_bytes(stats['peak_host_anon_bytes'])})",

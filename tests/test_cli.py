@@ -61,7 +61,10 @@ def test_generate_json_contract(text_ckpt, tmp_path):
         assert st[key] > 0, key
     assert st["bytes"]["disk_write"] > 0 and st["bytes"]["disk_mapped_read"] > 0
     assert st["chunks"]["disk"] > 0
-    assert "tok/s" in out.stderr
+    # the statistics line counts as the JSON does: 12 new tokens, 11 decode steps
+    assert st["decoded_tokens"] == 11 and st["prefill_tokens"] == r["prompt_tokens"]
+    assert f"prefill {r['prompt_tokens']} tok " in out.stderr, out.stderr
+    assert "new 12 tok, decode 11 tok" in out.stderr, out.stderr
     # the same run without offload generates the same tokens
     plain = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3,
                        "--max-new-tokens", 12, "--chunk-size", 16, "--offload", "none", "--json")
@@ -85,9 +88,34 @@ def test_generate_max_length_caps_prompt_plus_new(text_ckpt):
 
 
 def test_generate_streams_text(text_ckpt):
-    out = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5,
-                     "--chunk-size", 8)
-    assert out.stdout.startswith(PROMPT) and len(out.stdout) > len(PROMPT)
+    """stdout is the generated text alone; --echo prints the prompt before it."""
+    argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
+            "--json"]
+    tokens = json.loads(run_script("generate.py", *argv).stdout)["tokens"]
+    text = load_tokenizer(text_ckpt).decode(tokens)
+    plain = run_script("generate.py", *argv[:-1]).stdout
+    assert plain == text + "\n", (plain, text)
+    echo = run_script("generate.py", *argv[:-1], "--echo").stdout
+    assert echo == PROMPT + text + "\n", (echo, text)
+
+
+def test_help_is_grouped_and_opens_with_what_it_does():
+    """--help: one line a user needs first, then the flags under their headings, each flag once,
+    every one with its help."""
+    help_text = run_script("generate.py", "--help").stdout
+    lines = help_text.splitlines()
+    assert lines[0].startswith("usage: generate.py") and lines[2].startswith("Generate text"), lines
+    headings = [line[:-1] for line in lines if line and not line[0].isspace() and line[-1] == ":"]
+    assert headings == ["options", *cli.HELP_GROUPS, "example"], headings
+    p = cli.build_parser()
+    flags = [a for a in p._actions if a.dest != "help"]
+    grouped = [d for dests in cli.HELP_GROUPS.values() for d in dests]
+    assert sorted(grouped) == sorted(a.dest for a in flags)  # each flag in one group, none left
+    assert all(a.help for a in flags)
+    for dest in ("chunk_size", "window", "offload", "max_new_tokens"):
+        action = next(a for a in flags if a.dest == dest)  # the defaults said are the ones used
+        assert f"default {cli.CKPT_DEFAULTS[dest]}; {cli.DEMO_DEFAULTS[dest]} in the demo" in (
+            action.help), action.help
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
