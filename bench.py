@@ -48,6 +48,7 @@ from cli import (
     one_line_errors,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import DiskError
@@ -466,6 +467,7 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_offload_dir(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -202,11 +202,18 @@ def check_writable_dir(path):
 
 
 def remove_if_empty(path):
-    """After a successful run, the offload dir this run created is removed again if it is empty."""
+    """Remove the directory `path` if it is empty; leave it otherwise."""
     try:
         os.rmdir(path)
     except OSError:
         pass
+
+
+def remove_created_offload_dir(args):
+    """On every exit of a script: the --offload-dir that check_common created for this run is
+    removed again if the run left it empty (a failed task's directory keeps it, for resume)."""
+    if getattr(args, "created_offload_dir", False):
+        remove_if_empty(args.offload_dir)
 
 
 def read_model_args(ckpt, args=None):
@@ -464,6 +471,14 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    try:
+        return generate_main(args)
+    finally:
+        remove_created_offload_dir(args)
+
+
+def generate_main(args):
+    """One prompt or a --prompts batch, as `python generate.py` runs it: the exit code."""
     # a file-size limit then fails a write (EFBIG), not the process
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     layout = None
@@ -571,8 +586,6 @@ def main(argv=None):
             rc = 0
     finally:
         launch.finish(layout)
-    if rc == 0 and getattr(args, "created_offload_dir", False):
-        remove_if_empty(args.offload_dir)
     return rc
 
 

@@ -36,6 +36,7 @@ from cli import (
     one_line_errors,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import DiskError
@@ -555,6 +556,7 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_offload_dir(args)
     print(report(machine, cal, args, model_args, contexts, modes, cuda))
     if args.json:
         predicted = {ctx: {m: predict_decode(cal, ctx, m, args, model_args, cuda) for m in modes}

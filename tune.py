@@ -44,7 +44,7 @@ from cli import (
     one_line_errors,
     quantize_mode,
     read_model_args,
-    remove_if_empty,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import ALIGN, DiskError, round_up
@@ -529,9 +529,7 @@ def main(argv=None):
         print(f"tune.py: error: {e}", file=sys.stderr)  # ValueError: UsageError too
         return 2
     finally:
-        if getattr(args, "created_offload_dir", False):
-            # as generate.py does: the printed command creates it again
-            remove_if_empty(args.offload_dir)
+        remove_created_offload_dir(args)  # as generate.py does: the printed command makes it again
     per_token = kv_bytes_per_token(model_args, dtype, args.kv_dtype)
     kv_total = (args.context + args.new_tokens) * per_token
     n_measured = sum(bool(c.runs) for c in cands)

@@ -15,6 +15,7 @@ import torch
 
 import cli
 import generate
+import probe
 import verify
 from ckpt import edit_config
 from model import Transformer
@@ -210,6 +211,41 @@ def test_default_offload_dir_is_in_help_and_not_left_behind(text_ckpt, tmp_path)
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert not (tmp_path / "kv_cache_offload").exists(), os.listdir(tmp_path / "kv_cache_offload")
+
+
+def test_no_empty_offload_dir_is_left_behind_on_any_exit(text_ckpt, tmp_path, monkeypatch,
+                                                         capsys):
+    """./kv_cache_offload, made by a run that writes the disk, is gone when the run ends: verify.py
+    passing, generate.py refusing an unreadable --prompt-file or a --tp that the torchrun world
+    does not divide (refused before any process group), probe.py refusing a context; one that was
+    there before the run stays."""
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "kv_cache_offload"
+    existed = []  # whether the directory was there when each run cleaned up: it was made
+
+    def spy(args):
+        existed.append(os.path.isdir(args.offload_dir))
+        real(args)
+    real = cli.remove_created_offload_dir
+    for module in (cli, verify, probe):
+        monkeypatch.setattr(module, "remove_created_offload_dir", spy)
+    assert verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", "8", "--window",
+                        "1", "--max-new-tokens", "2", "--max-prompt-tokens", "40"]) == 0
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--prompt-file",
+                                  tmp_path / "missing.txt"], capsys)
+    assert rc == 2 and "--prompt-file" in err, err
+    assert probe.main(["--ckpt", text_ckpt, "--contexts", "99999"]) == 2
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--tp", 2], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--tp 2 does not divide the 3 ranks" in err and not torch.distributed.is_initialized()
+    assert existed == [True] * 4 and not default.exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    default.mkdir()  # the user's own: kept
+    rc, _, _ = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--prompt-file",
+                                tmp_path / "missing.txt"], capsys)
+    assert rc == 2 and default.is_dir()
 
 
 # -----------------------------------------------------------------------------
