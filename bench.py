@@ -59,6 +59,7 @@ from pools import OffloadError
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
 from random_model import build_random_checkpoint
+from rope import context_refusal
 from task import run_task
 from taskdir import TaskDirError
 
@@ -412,9 +413,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         if args.child_run:
             print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0

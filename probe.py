@@ -48,6 +48,7 @@ from offload import OffloadConfig
 from policy import plan_tiers
 from pools import OffloadError
 from random_model import SIZE_KEYS, build_random_checkpoint
+from rope import context_refusal
 from taskdir import TaskDirError
 
 GB = 1e9
@@ -539,9 +540,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

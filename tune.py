@@ -56,6 +56,7 @@ from policy import plan_tiers
 from pools import OffloadError
 from quantize import weight_bytes
 from random_model import PRESETS, build_random_checkpoint, parse_model_spec
+from rope import context_refusal
 from taskdir import TaskDirError
 
 CHUNKS = (128, 256, 512, 1024)   # step 1's grid, cut at the context
@@ -508,9 +509,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if args.context + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(args.context + args.new_tokens, model_args)
+            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

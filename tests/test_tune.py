@@ -120,7 +120,7 @@ def test_diagnose_finds_nothing_in_a_sound_configuration(capsys, llama_ckpt, tmp
                               "--offload-dir", tmp_path / "kv", "--chunk-size", 16, "--window", 2,
                               "--context", 256)
     assert rc == 0 and not found, out
-    assert any(line.startswith("ok     bytes moving") for line in out), out
+    assert any(line.startswith("ok     no bytes moving: not found") for line in out), out
     assert any("bit-identical" in line for line in out), out
 
 
@@ -130,7 +130,7 @@ def test_diagnose_finds_an_unwritable_directory(capsys, llama_ckpt, tmp_path):
                               "--offload-dir", tmp_path / "a_file" / "kv", "--chunk-size", 16,
                               "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir writable") and "--offload-dir" in line
+    assert any(line.startswith("FOUND  offload dir not writable") and "--offload-dir" in line
                for line in found), out
 
 
@@ -177,7 +177,7 @@ def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt, tmp_path, monke
     rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"{ram}/kv",
                               "--chunk-size", 16, "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line
+    assert any(line.startswith("FOUND  offload dir in RAM") and "tmpfs" in line
                for line in found), out
 
 
@@ -191,5 +191,5 @@ def test_diagnose_names_a_mismatch_and_its_likely_cause(capsys, llama_ckpt, monk
                               "--window", 2, "--context", 256)
     assert rc == 1
     line = next(line for line in found
-                if line.startswith("FOUND  same output with offload on and off"))
+                if line.startswith("FOUND  different output with offload on and off"))
     assert "position 63" in line and "chunk boundary" in line, line
