@@ -65,14 +65,16 @@ EXAMPLE = """example:
   python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 \\
       --chunk-size 512 --window 4 --offload disk
 the reading order, the docs and what each number means: README.md"""
-# generate.py --help lists its flags under these headings, in this order
+# generate.py --help lists its flags under these headings, in this order (a name no flag has yet
+# is skipped: the selection flags --select, --select-budget, --select-dense have their place)
 HELP_GROUPS = {
     "model and text": ("ckpt", "prompt", "prompt_file", "chat", "system", "dtype", "quantize",
                        "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
                    "device", "threads"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
-                "kv_dtype", "staging_slots", "kv_store", "kv_store_budget"),
+                "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
+                "select_budget", "select_dense"),
     "batch (with --prompts)": ("prompts", "output", "concurrency", "keep_cache",
                                "fallback_cpu_budget", "fallback_context"),
     "parallel (under torchrun)": ("tp",),
@@ -324,7 +326,8 @@ def group_help(p, groups):
     for group in p._action_groups:
         group._group_actions[:] = [a for a in group._group_actions if a.dest not in listed]
     for title, dests in groups.items():
-        p.add_argument_group(title)._group_actions.extend(by_dest[d] for d in dests)
+        p.add_argument_group(title)._group_actions.extend(by_dest[d] for d in dests
+                                                          if d in by_dest)
     return p
 
 

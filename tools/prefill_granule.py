@@ -38,16 +38,20 @@ DEMO_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
                          "tinyllama-pydoc")
 
 
-def prefill_in_steps(model, ids, chunk_size, step):
+def prefill_in_steps(model, ids, chunk_size, step, tail_only=False, cache=None, end=None):
     """Prefill ids [1, P] in steps cut at every multiple of `step` (a divisor of chunk_size, so no
-    step crosses a chunk boundary). Returns (cache, logits of each step's last position)."""
-    cache = make_cache(model, OffloadConfig(), chunk_size, ids.shape[1] + 1)
+    step crosses a chunk boundary); with tail_only, only the prompt's last, partial chunk is cut at
+    `step`, its whole chunks taking one step each. cache/end: go on with a cache that holds a prefix
+    already, and stop at position `end`. Returns (cache, logits of each step's last position)."""
+    P = ids.shape[1]
+    C = chunk_size
+    cache = cache or make_cache(model, OffloadConfig(), C, P + 1)
     logits = []
-    t = 0
-    while t < ids.shape[1]:
-        n = min(step - cache.length % step, ids.shape[1] - t)
-        logits.append((cache.length + n, forward(model, cache, ids[:, t:t + n])))
-        t += n
+    while cache.length < (end or P):
+        t = cache.length
+        cut = C if tail_only and t // C < P // C else step
+        n = min(cut - t % cut, (end or P) - t)
+        logits.append((t + n, forward(model, cache, ids[:, t:t + n])))
     return cache, logits
 
 
@@ -96,6 +100,27 @@ def timed_prefill(model, ids, chunk_size, step):
     return out
 
 
+def reuse_case(model, ids, chunk_size, granule, document):
+    """The realistic case: a document of `document` tokens and a question, asked twice. Cold: the
+    whole prompt's prefill. Warm: what is left to compute once the reusable prefix is adopted (full
+    chunks today; full granules when the last partial chunk is cut at the granule). (seconds,
+    positions) of each, CPU time of this thread."""
+    out = {}
+    for name, step, tail in (("today", chunk_size, False), ("tail", granule, True)):
+        t = time.thread_time()
+        cache, _ = prefill_in_steps(model, ids, chunk_size, step, tail_only=tail)
+        cold = time.thread_time() - t
+        cache.store.close()
+        prefix = document // step * step
+        cache, _ = prefill_in_steps(model, ids, chunk_size, step, tail_only=tail, end=prefix)
+        t = time.thread_time()
+        prefill_in_steps(model, ids, chunk_size, step, tail_only=tail, cache=cache)
+        warm = time.thread_time() - t
+        cache.store.close()
+        out[name] = (cold, warm, ids.shape[1] - prefix)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,6 +133,10 @@ def main(argv=None):
                    help="granules g to try, each dividing C (default 64,128,256)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--document", type=int,
+                   help="also time the realistic case: the first N tokens of the prompt are a "
+                   "document asked about twice, the rest a question; cold prefill and what a warm "
+                   "run computes, today and with the last partial chunk cut at each granule")
     args = p.parse_args(argv)
     granules = [int(g) for g in args.granules.split(",")]
     if any(args.chunk_size % g for g in granules):
@@ -148,6 +177,21 @@ def main(argv=None):
             med = [statistics.median(x[i] for x in seconds[s]) for i in (0, 1)]
             print(f"| {s} | {args.context / med[0]:,.0f} | {base[0] / med[0]:.2f}x | "
                   f"{args.context / med[1]:,.0f} | {base[1] / med[1]:.2f}x |")
+        if args.document:
+            print(f"\nA document of {args.document} tokens and a question of "
+                  f"{args.context - args.document} (thread CPU time, median of {args.repeats})\n"
+                  "\n| schedule | cold prefill s | warm: positions computed | warm compute s |"
+                  "\n|---|---|---|---|")
+            for granule in granules:
+                runs = [reuse_case(model, ids, args.chunk_size, granule, args.document)
+                        for _ in range(args.repeats)]
+                for name, label in (("today", f"steps of {args.chunk_size}"),
+                                    ("tail", f"last partial chunk in steps of {granule}")):
+                    if name == "today" and granule != granules[0]:
+                        continue
+                    cold = statistics.median(r[name][0] for r in runs)
+                    warm = statistics.median(r[name][1] for r in runs)
+                    print(f"| {label} | {cold:.3f} | {runs[0][name][2]} | {warm:.3f} |")
         print(f"\nload {os.getloadavg()[0]:.2f} at the end")
     finally:
         if tmp:
