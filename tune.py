@@ -353,8 +353,9 @@ def command(c, args):
 def budget_gib(c):
     """--cpu-budget for a configuration's command, as short as it can be: the budget it was tuned
     under, rounded down to the fewest significant digits that still hold the host chunks planned
-    (and measured). None where there is no host tier."""
-    if c.offload == "none" or not c.tiers.host:
+    (and measured). None where there is no host tier, or no budget (--offload cpu then holds all
+    it needs)."""
+    if c.offload == "none" or not c.tiers.host or not c.cpu_budget:
         return None
     need = c.tiers.host * c.slot_bytes
     for digits in range(1, 17):
