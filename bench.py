@@ -369,7 +369,7 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_measure_flags(p, "bench")
     p.add_argument("--repeats", type=int, default=3,
-                   help="runs of each context and mode, medians reported (default 3)")
+                   help="runs of each context and mode, medians reported (default %(default)s)")
     p.add_argument("--vs-hf", action="store_true",
                    help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--fresh-process", action="store_true",
@@ -382,7 +382,7 @@ def build_parser():
                    "--contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS),
                    help="with --kv-store: the offload mode of the cold and warm runs "
-                   "(default none)")
+                   "(default %(default)s)")
     return one_line_errors(p)
 
 

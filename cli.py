@@ -275,11 +275,11 @@ def add_measure_flags(p, verb):
     p.add_argument("--layers", type=int,
                    help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
     p.add_argument("--contexts", default="1024,4096,8192",
-                   help="prompt lengths, comma separated (default 1024,4096,8192)")
+                   help="prompt lengths, comma separated (default %(default)s)")
     p.add_argument("--modes", default="none,cpu,disk,disk+zstd",
                    help=f"comma list of {list(MODE_SPECS)} (default all)")
     p.add_argument("--new-tokens", type=int, default=32,
-                   help="greedy tokens generated per run (default 32)")
+                   help="greedy tokens generated per run (default %(default)s)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
 
 
@@ -382,7 +382,8 @@ def build_parser():
     b = p.add_argument_group("batch (with --prompts)")
     b.add_argument("--output",
                    help="RESULTS.jsonl: one line per finished task; ids already there are skipped")
-    b.add_argument("--concurrency", type=int, default=1, help="tasks run at once (default 1)")
+    b.add_argument("--concurrency", type=int, default=1,
+                   help="tasks run at once (default %(default)s)")
     b.add_argument("--keep-cache", action="store_true",
                    help="keep a task's directory after it succeeds")
     b.add_argument("--fallback-cpu-budget", type=float,

@@ -513,9 +513,9 @@ def build_parser():
     add_measure_flags(p, "probe")
     p.add_argument("--repeats", type=int, default=3,
                    help="calibrations, element-wise medians reported; the disk is measured in the "
-                   "first (default 3)")
+                   "first (default %(default)s)")
     p.add_argument("--probe-mib", type=int, default=512,
-                   help="size of the probe's disk test file (default 512 MiB)")
+                   help="size of the probe's disk test file (default %(default)s MiB)")
     return one_line_errors(p)
 
 

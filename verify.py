@@ -101,7 +101,7 @@ def build_parser():
     p.add_argument("--prompt-file",
                    help="UTF-8 prompt (default: pages of Python's reference manual)")
     p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="greedy tokens to generate (default 32)")
+                   help="greedy tokens to generate (default %(default)s)")
     p.add_argument("--modes", default="cpu,disk,disk+zstd",
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
