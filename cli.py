@@ -434,8 +434,7 @@ def resolve(args):
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
-    check_common(args, needs_disk=args.offload == "disk")
-    if args.prompt_file:
+    if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
@@ -443,6 +442,7 @@ def resolve(args):
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    check_common(args, needs_disk=args.offload == "disk")
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots)
@@ -487,6 +487,7 @@ def generate_main(args):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     layout = None
     try:
+        launch.check(args.tp)  # a --tp the torchrun world refuses: before any file is made
         cfg, text = resolve(args)
         layout = launch.start(args.tp, args.device)  # one rank, or this rank of a torchrun world
         args.device = str(layout.device)
