@@ -29,12 +29,14 @@ from checkpoint import CheckpointError
 from cli import (
     DEMO_CKPT,
     DTYPES,
+    MODE_SPECS,
     UsageError,
     add_measure_flags,
     check_measure,
     one_line_errors,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import DiskError
@@ -43,9 +45,11 @@ from kvcache import make_cache
 from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
+from policy import plan_tiers
 from pools import OffloadError
 from private import create_private, open_private, write_atomic
 from random_model import SIZE_KEYS, build_random_checkpoint
+from rope import context_refusal
 from taskdir import TaskDirError
 
 GB = 1e9
@@ -356,9 +360,13 @@ def median_of(cals):
     return cals[0]
 
 
-def n_sealed(ctx, args):
-    """Sealed chunks per layer, halfway through decoding."""
-    return (ctx + args.new_tokens // 2) // args.chunk_size
+def halfway(ctx, mode, args, model_args):
+    """The chunks per tier halfway through decoding (policy.plan_tiers), when ctx +
+    new_tokens // 2 positions are written: plan_tiers counts the chunk of the next position as the
+    open one."""
+    tier = MODE_SPECS[mode][0]
+    return plan_tiers(ctx + args.new_tokens // 2 + 1, args.chunk_size, args.window,
+                      model_args.n_layers, tier)
 
 
 def predict_decode(cal, ctx, mode, args, model_args, cuda):
@@ -367,7 +375,7 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
                 sampling, Python)
         a       attending to one sealed chunk: (step at n_b sealed chunks - fixed) / (L * n_b),
                 measured
-        n_off   L * (n_sealed - window) chunks not on the device (0 with --offload none); each
+        n_off   the chunks not on the device (policy.plan_tiers; 0 with --offload none); each
                 costs instead:
     CPU, cpu and raw disk: read in place (disk through views of the mapped file made once), nothing
     moves: a.
@@ -381,9 +389,9 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
     a = cal["chunk_s"]
     if mode == "disk+zstd" and not z:
         return None
-    L = model_args.n_layers
-    sealed = L * n_sealed(ctx, args)
-    n_off = 0 if mode == "none" else L * max(0, n_sealed(ctx, args) - args.window)
+    tiers = halfway(ctx, mode, args, model_args)
+    sealed = tiers.device + tiers.offloaded
+    n_off = tiers.offloaded
     chunk = chunk_bytes(model_args, args, args.chunk_size)
     worker = cal["worker_handoff_s"]
     if mode == "disk+zstd":
@@ -417,7 +425,7 @@ def predict_prefill(fit, cal, ctx, mode, args, model_args):
     s = N * fixed + per_chunk * N * (N - 1) / 2
     if mode == "disk+zstd" and cal.get("zstd"):
         chunk = chunk_bytes(model_args, args, args.chunk_size)
-        leaving = model_args.n_layers * max(0, N - 1 - args.window)
+        leaving = plan_tiers(ctx, args.chunk_size, args.window, model_args.n_layers).offloaded
         s += leaving * chunk / (cal["zstd"]["compress_gbps"] * GB)
     return ctx / s
 
@@ -511,9 +519,9 @@ def build_parser():
     add_measure_flags(p, "probe")
     p.add_argument("--repeats", type=int, default=3,
                    help="calibrations, element-wise medians reported; the disk is measured in the "
-                   "first (default 3)")
+                   "first (default %(default)s)")
     p.add_argument("--probe-mib", type=int, default=512,
-                   help="size of the probe's disk test file (default 512 MiB)")
+                   help="size of the probe's disk test file (default %(default)s MiB)")
     return one_line_errors(p)
 
 
@@ -538,9 +546,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
@@ -555,6 +563,7 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_offload_dir(args)
     print(report(machine, cal, args, model_args, contexts, modes, cuda))
     if args.json:
         predicted = {ctx: {m: predict_decode(cal, ctx, m, args, model_args, cuda) for m in modes}

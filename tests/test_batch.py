@@ -688,10 +688,11 @@ def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, t
 
 # ~100 tokens: chunks reach the disk
 ONE = [{"id": "one", "prompt": TOPICS["else"][:400], "max_new_tokens": 6}]
-STATS_KEYS = {"prefill_s", "prefill_tokens_per_s", "ttft_s", "decode_s", "decoded_tokens",
-              "decode_tokens_per_s", "chunks_read_per_decode_step", "peak_device_bytes",
-              "peak_host_rss_bytes", "peak_host_anon_bytes", "peak_host_file_bytes",
-              "pinned_bytes", "bytes", "io", "chunks", "resumed_from", "kv_dtype"}
+STATS_KEYS = {"prefill_s", "prefill_tokens", "prefill_tokens_per_s", "ttft_s", "decode_s",
+              "decoded_tokens", "decode_tokens_per_s", "chunks_read_per_decode_step",
+              "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes",
+              "peak_host_file_bytes", "pinned_bytes", "bytes", "io", "chunks", "resumed_from",
+              "kv_dtype"}
 
 
 def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
