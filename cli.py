@@ -578,9 +578,7 @@ def generate_main(args):
             "select_dense": cfg.select_dense,
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
-        rank = layout.rank if layout else int(os.environ.get("RANK", "0"))
-        if rank == 0:  # one rank says it
-            print(f"generate.py: error: {e}", file=sys.stderr)
+        launch.refuse(f"generate.py: error: {e}", layout)
         return 2
 
     def run_one(task, cfg, context=None, on_token=None, progress=None):

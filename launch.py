@@ -15,6 +15,7 @@ rank.
 """
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -43,6 +44,20 @@ def check(tp):
     if tp is not None and (tp < 1 or world % tp):
         raise LaunchError(f"--tp {tp} does not divide the {world} ranks torchrun started; "
                           f"choose --tp dividing {world}")
+
+
+def refuse(message, layout=None):
+    """One rank says why the run stops (the others leave quietly). Under torchrun the first rank to
+    exit makes it stop the rest, so the quiet ones wait a moment: rank 0's sentence gets out
+    first."""
+    rank = layout.rank if layout else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    elif under_torchrun():
+        time.sleep(REFUSAL_GRACE_S)
+
+
+REFUSAL_GRACE_S = 3.0  # seconds a quiet rank waits before exiting with a refusal
 
 
 def start(tp, device):

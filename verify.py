@@ -178,9 +178,7 @@ def verify(args):
             for m in ("store", "reuse"):
                 runs[m] = run(*MODE_SPECS[modes[-1]], kv_store=kv_store, fingerprint=fp)
     except (UsageError, CheckpointError, OffloadError, ValueError) as e:
-        rank = layout.rank if layout else int(os.environ.get("RANK", "0"))
-        if rank == 0:  # one rank says it
-            print(f"verify.py: error: {e}", file=sys.stderr)
+        launch.refuse(f"verify.py: error: {e}", layout)
         return 2
 
     # the unchunked, uncached reference over prompt + generated tokens
