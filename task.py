@@ -31,6 +31,8 @@ def resume_point(manifest, task, model_args, eos_ids=()):
             why = ""
             if key == "fingerprint":
                 why = " (other weights, or a setting that changes the KV)"
+            if key == "threads":
+                why = " count (--threads: the CPU splits its sums by it, so the KV's bits change)"
             return 0, [], f"manifest was written for another {key}{why}"
     C = task["chunk_size"]
     P = len(task["prompt_ids"])
@@ -45,6 +47,13 @@ def resume_point(manifest, task, model_args, eos_ids=()):
     # keep >= 1 position to recompute
     n = min(len(chunks), (len(tokens) - 1) // C)
     return n, tokens[P:], None
+
+
+def cpu_threads(device):
+    """The CPU kernels' thread count (None on a GPU): how a CPU splits a product's sums depends on
+    it, and so do the bits of the KV, so a manifest or a stored chunk from a run with another
+    --threads is not this run's (a rerun with other threads starts over, bit-identical)."""
+    return torch.get_num_threads() if torch.device(device).type == "cpu" else None
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
@@ -77,6 +86,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
         "fingerprint": fingerprint,
         "dtype": str(model.tok_embeddings.weight.dtype),
         "device": device.type,
+        "threads": cpu_threads(device),
         "chunk_size": chunk_size,
         "kv_dtype": kv_dtype,
         "compress": cfg.compress,
@@ -273,7 +283,7 @@ class PromptCache:
         # CPU and CUDA kernels, or torch versions, may round apart
         run = run_fingerprint(fingerprint, dtype=store.dtype, device=store.device,
                               chunk=store.shape, n_layers=model_args.n_layers,
-                              torch=torch.__version__)
+                              torch=torch.__version__, threads=cpu_threads(store.device))
         self.kv = kv_store
         self.store = store
         self.layout = layout or Layout.single()

@@ -140,3 +140,38 @@ def test_unwritable_digest_cache_is_no_error(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert model_fingerprint(checkpoint()) == want
     assert model_fingerprint(checkpoint()) == want
+
+
+def test_another_thread_count_never_resumes_or_reuses(twins, tmp_path):
+    """A CPU's kernels split their sums by the thread count, so the KV's bits change with --threads:
+    a manifest or a stored chunk made with 2 threads is not trusted by a run with 1, which starts
+    over and gives exactly what a clean run with 1 thread gives."""
+    from kvstore import KVStore
+    model = Transformer.from_pretrained(twins[0])
+    ids = torch.randint(3, model.args.vocab_size, (70,),
+                        generator=torch.Generator().manual_seed(5)).tolist()
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path / "off"))
+    store = KVStore(str(tmp_path / "store"))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+
+        class Stop(Exception):
+            pass
+
+        def stop(out):
+            if len(out) == 20:
+                raise Stop()
+        with pytest.raises(Stop):
+            run_task(model, ids, NEW, chunk_size=C, cfg=cfg, task_id="t", fingerprint="fp",
+                     on_token=stop, kv_store=store)
+        torch.set_num_threads(1)
+        logs = []
+        new, stats = run_task(model, ids, NEW, chunk_size=C, cfg=cfg, task_id="t",
+                              fingerprint="fp", log=logs.append, kv_store=store)
+        clean, _ = run_task(model, ids, NEW, chunk_size=C, cfg=OffloadConfig())
+    finally:
+        torch.set_num_threads(before)
+    assert stats["resumed_from"] == 0 and stats["reused_tokens"] == 0, stats
+    assert any("threads count" in m for m in logs), logs
+    assert new == clean
