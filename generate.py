@@ -11,7 +11,6 @@ line lives one layer up, in cli.py (flags, checks, batch mode); running this fil
 """
 import ctypes
 import ctypes.util
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -156,4 +155,5 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
 # the command line is one layer up; this file stays importable on its own
 if __name__ == "__main__":
     import cli
-    sys.exit(cli.main())
+    import launch
+    launch.exit(cli.main())

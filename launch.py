@@ -14,6 +14,7 @@ A replica (data-parallel group) is --tp consecutive ranks holding one model betw
 rank.
 """
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -95,6 +96,35 @@ def batch_totals(totals, layout):
 
 
 def finish(layout):
+    """Leave the process group in order: a barrier (every rank is done with it), then destroy it,
+    which joins gloo's worker threads. Returns whether they are gone. A thread of theirs still
+    alive at exit may be releasing the last collective's tensors, which needs the interpreter
+    while it shuts down: Python ends that thread inside a C++ destructor, and the process aborts
+    ("terminate called without an active exception") after all its work is done."""
     if layout.world > 1 and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    return not backend_threads()
+
+
+def backend_threads():
+    """This process's threads that belong to the collectives' backend (gloo), from /proc."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended while we looked
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+def exit(code):
+    """End the process with `code`. If the backend's threads outlived the process group (finish),
+    end it without the interpreter's shutdown, which would race them: everything of ours is closed
+    and written by then, so only stdout and stderr need flushing."""
+    if backend_threads():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

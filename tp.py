@@ -40,6 +40,7 @@ project.
 """
 import functools
 import hashlib
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -127,6 +128,11 @@ def init_distributed(tp=None, device=None):
         device = torch.device("cuda", local)  # one GPU per rank of this machine
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # torch._dynamo, imported after the group exists, keeps references to it that
+        # destroy_process_group cannot drop, so gloo's worker threads would outlive it and race the
+        # interpreter's exit (launch.finish). Building the model on the meta device imports it
+        # anyway (nn.init on a meta tensor): import it first.
+        importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if cuda else "gloo")
     group = None
     if tp > 1:

@@ -257,4 +257,4 @@ if __name__ == "__main__":
     if "--diagnose" in sys.argv[1:]:  # the alias: the troubleshooting chains are a command now
         import doctor
         sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
-    sys.exit(main())
+    launch.exit(main())

@@ -56,6 +56,8 @@ def torchrun(spec, out, nproc):
     for r in range(nproc):
         with open(os.path.join(out, f"rank{r}.json")) as f:
             results.append(json.load(f))
+        with open(os.path.join(out, f"threads{r}.json")) as f:
+            results[-1]["backend_threads"] = json.load(f)
     tensors = [load_file(os.path.join(out, f"rank{r}.safetensors")) for r in range(nproc)]
     return results, tensors
 
@@ -128,6 +130,16 @@ def test_tp_selection_per_rank_bit_identical_across_modes(two_ranks):
     for r in results:
         assert r["gqa"]["quest_disk_bit_identical"] and r["gqa"]["quest_skipped"] > 0
     assert results[0]["gqa"]["quest_tokens"] == results[1]["gqa"]["quest_tokens"]
+
+
+def test_leaving_the_process_group_ends_the_backends_threads(two_ranks):
+    """launch.finish leaves no gloo thread behind on any rank. One that outlives the process group
+    can still be releasing the last collective's tensors while the interpreter shuts down, and the
+    process then aborts ("terminate called without an active exception") after its work is done:
+    a torchrun batch that finished would exit 1, now and then."""
+    results, _ = two_ranks
+    for r in results:
+        assert r["backend_threads"] == [], r["backend_threads"]
 
 
 @pytest.mark.parametrize("case", list(CASES))

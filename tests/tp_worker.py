@@ -19,8 +19,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import generate as gen  # noqa: E402
+import launch  # noqa: E402
 from disk import ALIGN, round_up  # noqa: E402
 from kvcache import make_cache  # noqa: E402
+from launch import backend_threads  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from task import run_task  # noqa: E402
 from tp import (  # noqa: E402
@@ -156,8 +158,13 @@ def main():
               os.path.join(out, f"rank{layout.rank}.safetensors"))
     with open(os.path.join(out, f"rank{layout.rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.distributed.destroy_process_group()
+    launch.finish(layout)
+    return layout.rank, out
 
 
 if __name__ == "__main__":
-    main()
+    rank, out = main()
+    # what launch.exit sees: the backend's threads left once main's model and layout are gone
+    with open(os.path.join(out, f"threads{rank}.json"), "w") as f:
+        json.dump(backend_threads(), f)
+    launch.exit(0)
