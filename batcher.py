@@ -31,8 +31,9 @@ class Batcher:
         self.prefills = 0      # prefill steps waiting for their turn
         self.busy = False      # a forward pass (a batch, or one prefill step) is running
         self.turn = "prefill"  # when both wait, they alternate: neither starves the other
-        self.steps = 0         # batched decode steps run, and the tokens they produced
+        self.steps = 0         # batched decode steps run, the tokens they gave, the most at once
         self.rows = 0
+        self.widest = 0
 
     def step(self, model, cache, tokens, decode=False):
         """generate.forward's signature: this task's step, run when its turn comes."""
@@ -94,6 +95,7 @@ class Batcher:
             return {c: self._alone(c, batch[c]) for c in caches}
         self.steps += 1
         self.rows += len(caches)
+        self.widest = max(self.widest, len(caches))
         return {c: failed.get(i, logits[i:i + 1]) for i, c in enumerate(caches)}
 
     def _alone(self, cache, token):

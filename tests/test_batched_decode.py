@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import disk
+import model as model_module
+import rowwise
+import verify
 from generate import decode_batch, decode_one_token, prefill
 from kvcache import make_cache
 from model import Transformer
@@ -163,3 +166,33 @@ def test_bad_batch_sizes_are_one_sentence(text_ckpt, tmp_path, capsys, argv, nee
     rc, err = run_main(["--ckpt", text_ckpt, *argv], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+# -----------------------------------------------------------------------------
+# verify.py --batch: the proof on the user's own checkpoint, and that it can fail
+
+VERIFY = ["--chunk-size", "16", "--window", "1", "--max-new-tokens", "24",
+          "--max-prompt-tokens", "120", "--batch", "3", "--modes", "disk"]
+
+
+def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path, capsys):
+    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for mode in ("none", "disk"):
+        assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
+
+
+def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A linear whose rows feel the batch they are in (as an fp32 matmul would, unchecked): the
+    tasks of a batch no longer equal themselves alone, and verify --batch says so and exits 1."""
+    real = rowwise.linear
+
+    def leaky(layer, x):
+        y = real(layer, x)
+        return y + 1e-3 * (x.shape[0] - 1)  # 0 alone, something in a batch
+    monkeypatch.setattr(model_module, "linear", leaky)
+    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH batch none task" in out and "FAILED" in out, out
