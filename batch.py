@@ -14,6 +14,7 @@ line. One failed task never stops the others.
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import sys
 import threading
@@ -23,7 +24,9 @@ from contextlib import contextmanager
 
 import launch
 from disk import DISK_FULL, DiskError
+from generate import SEED_LIMIT
 from pools import OffloadError
+from private import PrivateError, open_private
 from taskdir import TaskDir, TaskDirError, safe_task_name
 from tokenizer import messages_problem
 from tp import Layout
@@ -32,26 +35,31 @@ TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,),
                "temperature": (int, float), "seed": (int,)}
 
 
+class NotANumber(ValueError):
+    """NaN or Infinity in a task line: JSON has no such numbers, and no field takes them."""
+
+
+def no_constants(name):
+    raise NotANumber(f"{name} is not a number a task may hold")
+
+
 def read_tasks(path):
     """(tasks, errors): each task a dict with at least id and prompt;
-    each error one line naming the input line."""
+    each error one line naming the input line. A bad line (not UTF-8, not JSON, nested too
+    deeply, a field of the wrong type or range) is skipped, and the batch goes on."""
     tasks = []
     errors = []
     seen = set()
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise ValueError(f"--prompts {path}: cannot be read ({e.strerror})") from None
     with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
-            try:
-                task = json.loads(line)
-            except ValueError as e:
-                errors.append(f"{path} line {n}: not valid JSON ({e.msg}); skipped")
-                continue
-            problem = task_problem(task)
+            task, problem = parse_line(raw)
+            problem = problem or task_problem(task)
             if problem:
                 errors.append(f"{path} line {n}: {problem}; skipped")
             elif str(task["id"]) in seen:
@@ -63,9 +71,29 @@ def read_tasks(path):
     return tasks, errors
 
 
+def parse_line(raw):
+    """One line of bytes -> (the JSON value, None), or (None, why it is not JSON)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
+    try:
+        return json.loads(line, parse_constant=no_constants), None
+    except NotANumber as e:
+        return None, str(e)
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg})"
+    except ValueError:  # json refuses an integer of thousands of digits
+        return None, "not valid JSON (a number of thousands of digits)"
+    except RecursionError:
+        return None, "not valid JSON (nested too deeply)"
+
+
 def task_problem(task):
     if not isinstance(task, dict):
         return "not a JSON object"
+    if not encodable(task):
+        return "a string holds a lone surrogate (\\ud800 to \\udfff alone), which is no text"
     if "id" not in task:
         return "field 'id' is missing"
     if ("prompt" in task) == ("messages" in task):
@@ -75,9 +103,38 @@ def task_problem(task):
     for key, types in TASK_FIELDS.items():
         if key in task and (not isinstance(task[key], types) or isinstance(task[key], bool)):
             return f"field '{key}' must be {' or '.join(t.__name__ for t in types)}"
-    if task.get("max_new_tokens", 1) < 1 or task.get("temperature", 0) < 0:
-        return "max_new_tokens must be >= 1 and temperature >= 0"
+    temperature = task.get("temperature", 0)
+    if task.get("max_new_tokens", 1) < 1 or not finite(temperature) or temperature < 0:
+        return "max_new_tokens must be >= 1 and temperature a number >= 0"
+    if abs(task.get("seed", 0)) >= SEED_LIMIT:
+        return f"field 'seed' must be between -{SEED_LIMIT} and {SEED_LIMIT}"
     return None
+
+
+def finite(x):
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def encodable(obj):
+    """Every string in obj (keys too) can be written as UTF-8: JSON's "\\ud800" escapes can make
+    one that cannot, which would fail the task later, when its result is written."""
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return True
 
 
 class Results:
@@ -87,14 +144,17 @@ class Results:
     def __init__(self, path, log):
         self.path = path
         self.lock = threading.Lock()
-        try:
-            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        except OSError as e:
-            raise ValueError(f"--output {path}: cannot be opened ({e.strerror})") from None
+        try:  # created 0600, never through a link at its name (private.open_private)
+            self.fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        except (OSError, PrivateError) as e:
+            raise ValueError(f"--output {path}: cannot be opened "
+                             f"({getattr(e, 'strerror', None) or e})") from None
         self.done = set()
         # other processes (replicas under torchrun) may append to the same file
         with self.locked():
-            with open(path, "rb") as f:
+            # read through our own descriptor, never by name again
+            with open(self.fd, "rb", closefd=False) as f:
+                f.seek(0)
                 data = f.read()
             # only a crash of another writer can leave this; drop the tail
             if data and not data.endswith(b"\n"):

@@ -48,6 +48,7 @@ from cli import (
     one_line_errors,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
     select_fields,
 )
@@ -58,9 +59,11 @@ from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
+from private import PrivateError, make_private_dir, write_atomic
 from probe import calibrate, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
 from random_model import build_random_checkpoint
+from rope import context_refusal
 from task import run_task
 from taskdir import TaskDirError
 
@@ -324,9 +327,11 @@ def run_matrix(model, hf, args, contexts, modes):
 
 
 def run_reuse(model, args, contexts):
-    """Time to first token of a second question about the same document through --kv-store,
-    against the first (cold: nothing stored yet): [a row per context], medians of --repeats, each
-    repeat on an empty store."""
+    """Time to first token of a second question (32 tokens) about the same document of `context`
+    tokens through --kv-store, against the first (cold: nothing stored yet): [a row per context],
+    medians of --repeats, each repeat on an empty store. Only whole chunks are stored, so a context
+    that is a multiple of --chunk-size is the best case; any other leaves its partial last chunk,
+    with the question, to compute again (the realistic case: --contexts 4096,2977)."""
     from kvstore import KVStore
     rows = []
     g = torch.Generator().manual_seed(1)
@@ -338,8 +343,8 @@ def run_reuse(model, args, contexts):
         cold = []
         warm = []
         for rep in range(args.repeats):
-            # owner-only, as a store of its own would be
-            os.makedirs(args.kv_store, mode=0o700, exist_ok=True)
+            # owner-only, as a store of its own would be (missing parents too)
+            make_private_dir(args.kv_store, "--kv-store")
             store = KVStore(os.path.join(args.kv_store, f"bench-{os.getpid()}-{ctx}-{rep}"))
             for ask, out in zip(asks, (cold, warm)):
                 cfg = OffloadConfig(mode=offload, compress=compress, window=args.window,
@@ -355,6 +360,7 @@ def run_reuse(model, args, contexts):
                      "cold_ttft_s": med(cold, "ttft_s"), "warm_ttft_s": med(warm, "ttft_s"),
                      "speedup": med(cold, "ttft_s") / med(warm, "ttft_s"),
                      "reused_tokens": reused, "reused_fraction": reused / (ctx + 32),
+                     "computed_tokens": warm[-1]["prefill_tokens"],
                      "stored_tokens": cold[-1]["stored_tokens"],
                      "store_bytes_read": warm[-1]["store_bytes_read"]})
     return rows
@@ -451,7 +457,7 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_measure_flags(p, "bench")
     p.add_argument("--repeats", type=int, default=3,
-                   help="runs of each context and mode, medians reported (default 3)")
+                   help="runs of each context and mode, medians reported (default %(default)s)")
     p.add_argument("--vs-hf", action="store_true",
                    help="also run transformers (DynamicCache; on CUDA also offloaded)")
     p.add_argument("--fresh-process", action="store_true",
@@ -469,7 +475,7 @@ def build_parser():
                    "--contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS),
                    help="with --kv-store: the offload mode of the cold and warm runs "
-                   "(default none)")
+                   "(default %(default)s)")
     return one_line_errors(p)
 
 
@@ -505,9 +511,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         if args.child_run:
             print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0
@@ -542,13 +548,14 @@ def main(argv=None):
         elif args.kv_store:
             rows = run_reuse(model, args, contexts)
             lines = ["| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens "
-                     "| store read MiB |",
-                     "|---|---|---|---|---|---|---|"]
+                     "| computed tokens | store read MiB |",
+                     "|---|---|---|---|---|---|---|---|"]
             for r in rows:
                 read_mib = r["store_bytes_read"] / 2**20
                 lines.append(f"| {r['context']} | {r['mode']} | {r['cold_ttft_s']:.3f} | "
                              f"{r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | {r['reused_tokens']} "
-                             f"({r['reused_fraction']:.0%}) | {read_mib:.1f} |")
+                             f"({r['reused_fraction']:.0%}) | {r['computed_tokens']} | "
+                             f"{read_mib:.1f} |")
             print("\n".join(lines))
             report = {"machine": machine, "config": config, "reuse": rows}
         else:
@@ -562,15 +569,16 @@ def main(argv=None):
                   f"{machine['loadavg']} -> {machine['loadavg_end']}\n\n{markdown(rows, hf_rows)}")
             report = {"machine": machine, "config": config, "calibration": cal, "results": rows,
                       "hf": hf_rows}
-    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
+    except (UsageError, CheckpointError, OffloadError, DiskError, TaskDirError,
+            PrivateError) as e:
         print(f"bench.py: error: {e}", file=sys.stderr)
         return 2
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        remove_created_offload_dir(args)
+    if args.json:  # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(report, indent=1).encode())
     return 0
 
 

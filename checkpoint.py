@@ -1,10 +1,14 @@
 """
 The files of a Hugging Face checkpoint: config.json and the other JSON files, and the safetensors
 weights, read one tensor at a time. Every problem is a CheckpointError naming the file and what to
-do.
+do. Nothing in config.json is used before it is checked: every field the model, RoPE and the
+tokenizer read has a type and a range (CONFIG_FIELDS), and its sizes must agree with the weights'
+own headers (read_config) before anything is built from them.
 """
 import json
+import math
 import os
+import re
 
 from safetensors import safe_open
 
@@ -32,7 +36,7 @@ def read_json(path):
                 "AutoTokenizer)") from None
         raise CheckpointError(f"{path} not found: --ckpt must be a Hugging Face model "
                               "directory") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge number, deep nesting
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} must hold a JSON object, not {type(obj).__name__}")
@@ -47,7 +51,12 @@ def checkpoint_files(ckpt_dir):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: has no 'weight_map'")
-        files = sorted(set(weight_map.values()))
+        files = sorted(set(map(str, weight_map.values())))
+        for f in files:
+            # a shard lies inside the checkpoint: a relative path that does not climb out of it
+            if "\0" in f or os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] == "..":
+                raise CheckpointError(f"{index}: shard {f!r} is outside the checkpoint directory; "
+                                      "the weight_map may name files inside it only")
     elif os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -75,3 +84,196 @@ def iter_checkpoint(ckpt_dir):
             # safetensors reports truncation and corruption with its own error types
             raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is "
                                   "truncated or corrupt") from None
+
+
+# -----------------------------------------------------------------------------
+# config.json: every field checked by type and range before it is used
+
+def is_int(v, lo, hi=2**31):
+    return type(v) is int and lo <= v < hi  # type(), not isinstance: a bool is no int here
+
+
+def is_number(v, lo=-math.inf):
+    finite = (type(v) is float and math.isfinite(v)) or (type(v) is int and abs(v) < 2**63)
+    return finite and v >= lo
+
+
+def is_positive(v):
+    return is_number(v) and v > 0
+
+
+def is_size(v):
+    return is_int(v, 1)
+
+
+def is_count(v):
+    return is_int(v, 0)
+
+
+def is_even_size(v):
+    return is_int(v, 2) and v % 2 == 0  # RoPE rotates the two halves of a head
+
+
+def is_eps(v):
+    return is_number(v, 0)
+
+
+def is_str(v):
+    return isinstance(v, str)
+
+
+def is_bool(v):
+    return type(v) is bool
+
+
+def is_object(v):
+    return isinstance(v, dict)
+
+
+def is_str_list(v):
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+SIZE = (is_size, "a positive integer")
+COUNT = (is_count, "an integer >= 0")
+NUMBER = (is_number, "a number")
+POSITIVE = (is_positive, "a positive number")
+STRING = (is_str, "a string")
+BOOL = (is_bool, "true or false")
+# field -> (check, what it must be, whether null means "the default"); fields not listed are not
+# read, and an absent field takes its default
+CONFIG_FIELDS = {
+    "architectures": (is_str_list, "a list of strings", True),
+    "model_type": (*STRING, True),
+    "hidden_size": (*SIZE, False),
+    "num_hidden_layers": (*SIZE, False),
+    "num_attention_heads": (*SIZE, False),
+    "num_key_value_heads": (*SIZE, True),
+    "head_dim": (is_even_size, "a positive even integer", True),
+    "intermediate_size": (*SIZE, False),
+    "vocab_size": (*SIZE, False),
+    "max_position_embeddings": (*SIZE, False),
+    "original_max_position_embeddings": (*SIZE, True),
+    "rms_norm_eps": (is_eps, "a number >= 0", False),
+    "hidden_act": (*STRING, False),
+    "num_local_experts": (*COUNT, True),
+    "num_experts": (*COUNT, True),
+    "n_routed_experts": (*COUNT, True),
+    "partial_rotary_factor": (*NUMBER, False),
+    "rope_theta": (*POSITIVE, True),
+    "rope_parameters": (is_object, "an object", True),
+    "rope_scaling": (is_object, "an object", True),
+    "sliding_window": (*SIZE, True),
+    "use_sliding_window": (*BOOL, True),
+    "layer_types": (is_str_list, "a list of strings", True),
+    "max_window_layers": (*COUNT, True),
+    "attention_bias": (*BOOL, True),
+    "mlp_bias": (*BOOL, True),
+    "tie_word_embeddings": (*BOOL, True),
+    "dtype": (*STRING, True),
+    "torch_dtype": (*STRING, True),
+}
+# inside rope_parameters / rope_scaling
+ROPE_FIELDS = {
+    "rope_type": (*STRING, False),
+    "type": (*STRING, False),
+    "rope_theta": (*POSITIVE, True),
+    "factor": (*POSITIVE, True),
+    "original_max_position_embeddings": (*SIZE, True),
+    "low_freq_factor": (*POSITIVE, False),
+    "high_freq_factor": (*POSITIVE, False),
+    "beta_fast": (is_eps, "a number >= 0", True),
+    "beta_slow": (is_eps, "a number >= 0", True),
+    "truncate": (*BOOL, False),
+    "attention_factor": (*POSITIVE, True),
+    "mscale": (*NUMBER, True),
+    "mscale_all_dim": (*NUMBER, True),
+}
+
+
+def check_fields(d, table, path, prefix=""):
+    """Each field of table present in d is what the table says; else one CheckpointError sentence
+    naming it (prefix: where d sits in config.json)."""
+    for key, (ok, what, nullable) in table.items():
+        if key not in d or (d[key] is None and nullable):
+            continue
+        if not ok(d[key]):
+            raise CheckpointError(f"{path}: field '{prefix}{key}' must be {what}, not "
+                                  f"{shown(d[key])}; fix config.json")
+
+
+def shown(v):
+    """A value for an error message: short, and never a deep structure."""
+    if isinstance(v, (dict, list)):
+        return f"a JSON {'object' if isinstance(v, dict) else 'array'}"
+    return json.dumps(v)[:40]
+
+
+def check_config(hf_config, path):
+    """Every field of a config.json dict that this project reads, by type and range (ModelArgs,
+    rope.py, the tokenizer's BOS and EOS ids)."""
+    check_fields(hf_config, CONFIG_FIELDS, path)
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(hf_config.get(key), dict):
+            check_fields(hf_config[key], ROPE_FIELDS, path, prefix=f"{key}.")
+    check_token_ids(hf_config, path, hf_config.get("vocab_size"))
+
+
+def check_token_ids(d, path, vocab_size):
+    """bos_token_id: an id or null; eos_token_id: an id, a list of ids, or null; each id below
+    vocab_size (when known)."""
+    top = vocab_size if is_int(vocab_size, 1) else 2**31
+    bos = d.get("bos_token_id")
+    if bos is not None and not is_int(bos, 0, top):
+        raise CheckpointError(f"{path}: field 'bos_token_id' must be a token id below {top} or "
+                              f"null, not {shown(bos)}")
+    eos = d.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is not None and not all(is_int(i, 0, top) for i in ids):
+        raise CheckpointError(f"{path}: field 'eos_token_id' must be a token id below {top}, a "
+                              f"list of them, or null, not {shown(eos)}")
+
+
+def read_config(ckpt_dir):
+    """(config.json as a dict, its path), every field checked (check_config) and its sizes checked
+    against the safetensors headers: a num_hidden_layers of 10**9 would otherwise build 10**9
+    layers before the first tensor is read."""
+    path = os.path.join(ckpt_dir, "config.json")
+    hf_config = read_json(path)
+    check_config(hf_config, path)
+    shapes = header_shapes(ckpt_dir)
+    layers = set()
+    for name in shapes:
+        m = re.match(r"model\.layers\.(\d{1,9})\.", name)
+        if m:
+            layers.add(int(m.group(1)))
+    # more layers than the weights hold is refused here; fewer, or a gap, names the tensor that
+    # does not fit when it is loaded (model.expected)
+    n = hf_config.get("num_hidden_layers")
+    if is_int(n, 1) and n > len(layers):
+        raise CheckpointError(f"{path}: num_hidden_layers is {n}, but the weights hold "
+                              f"{len(layers)} layers; fix config.json or the checkpoint")
+    sizes = {"model.embed_tokens.weight": ("vocab_size", "hidden_size"),
+             "model.layers.0.mlp.gate_proj.weight": ("intermediate_size", "hidden_size")}
+    for name, keys in sizes.items():
+        want = [hf_config.get(k) for k in keys]
+        if name in shapes and shapes[name] != want:
+            raise CheckpointError(f"{path}: {keys[0]} x {keys[1]} is {want[0]} x {want[1]}, but "
+                                  f"the weights' {name} is {' x '.join(map(str, shapes[name]))}; "
+                                  "fix config.json or the checkpoint")
+    return hf_config, path
+
+
+def header_shapes(ckpt_dir):
+    """{tensor name: shape} of every tensor, from the safetensors headers (no tensor is read)."""
+    shapes = {}
+    for path in checkpoint_files(ckpt_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = list(f.get_slice(name).get_shape())
+        except Exception as e:
+            # safetensors reports truncation and corruption with its own error types
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is "
+                                  "truncated or corrupt") from None
+    return shapes

@@ -12,6 +12,7 @@ on stderr and exit code 2.
 """
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -22,8 +23,8 @@ import launch
 import taskdir
 from batch import run_batch
 from batcher import Batcher
-from checkpoint import CheckpointError, read_json
-from generate import Sampling
+from checkpoint import CheckpointError, read_config
+from generate import SEED_LIMIT, Sampling
 from kvlayout import KV_DTYPES
 from kvstore import KVStore, StoreError
 from model import ModelArgs
@@ -31,6 +32,7 @@ from monitor import Monitor, progress_line
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from policy import SELECTIONS
 from pools import OffloadError
+from private import PrivateError, create_private, make_private_dir
 from progress import Progress
 from quantize import kernel_status
 from random_model import PRESETS, parse_model_spec
@@ -55,6 +57,34 @@ MODE_SPECS = {
 DEFAULT_OFFLOAD_DIR = "./kv_cache_offload"
 DEFAULT_BATCH_SIZE = 4  # --prompts: tasks in flight, their decode steps batched
 CKPT_HELP = "Hugging Face checkpoint directory (default: the demo model in assets/)"
+# generate.py's defaults that differ between the demo (no --ckpt) and a checkpoint of your own
+DEMO_DEFAULTS = {"chunk_size": 16, "window": 1, "offload": "disk", "max_new_tokens": 64,
+                 "threads": 1}
+CKPT_DEFAULTS = {"chunk_size": 512, "window": 4, "offload": "none", "max_new_tokens": 128,
+                 "threads": None}
+USAGE = "%(prog)s [--ckpt DIR] [--prompt TEXT | --prompt-file FILE | --prompts JSONL] [flags below]"
+DESCRIPTION = """\
+Generate text from a Hugging Face checkpoint with its KV cache offloaded (--offload cpu or disk);
+the output is bit-identical to --offload none. Without --ckpt: a demo on the model in assets/."""
+EXAMPLE = """example:
+  python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 \\
+      --chunk-size 512 --window 4 --offload disk
+the reading order, the docs and what each number means: README.md"""
+# generate.py --help lists its flags under these headings, in this order (a name no flag has yet
+# is skipped: the selection flags --select, --select-budget, --select-dense have their place)
+HELP_GROUPS = {
+    "model and text": ("ckpt", "prompt", "prompt_file", "chat", "system", "dtype", "quantize",
+                       "rope_scaling", "rope_factor", "rope_orig_ctx"),
+    "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
+                   "device", "threads"),
+    "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
+                "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
+                "select_budget", "select_dense"),
+    "batch (with --prompts)": ("prompts", "output", "batch_size", "keep_cache",
+                               "fallback_cpu_budget", "fallback_context"),
+    "parallel (under torchrun)": ("tp",),
+    "output": ("echo", "json", "trace"),
+}
 
 
 class UsageError(ValueError):
@@ -69,12 +99,14 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     cuda = torch.cuda.is_available()
     p.add_argument("--ckpt", help=ckpt_help)
     p.add_argument("--chunk-size", type=int, default=chunk_size,
-                   help=f"positions per KV chunk, the unit of transfer (default {chunk_size})")
+                   help=f"positions per KV chunk, the unit of transfer, cut to a task's length "
+                   f"where longer (default {chunk_size})")
     p.add_argument("--window", type=int, default=window,
                    help=f"sealed chunks per layer kept on the device (default {window})")
     p.add_argument("--offload-dir", default=DEFAULT_OFFLOAD_DIR,
-                   help="disk tier root; each task uses DIR/task_<id>/, removed when the task "
-                   "succeeds (default %(default)s, removed too if left empty)")
+                   help="disk tier root, yours and open to nobody else (mode 700; made so when "
+                   "created, refused otherwise); each task uses DIR/task_<id>/, removed when the "
+                   "task succeeds (default %(default)s, removed too if left empty)")
     p.add_argument("--cpu-budget", type=float,
                    help="GiB of host memory for offloaded chunks: with --offload cpu the host "
                    "tier's size (default: all the task needs); with --offload disk a host tier "
@@ -143,20 +175,22 @@ def check_common(args, needs_disk):
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
         (args.window is None or args.window >= 0,
          f"--window must be >= 0, got {args.window}"),
-        (args.cpu_budget is None or args.cpu_budget >= 0,
-         f"--cpu-budget must be >= 0 GiB, got {args.cpu_budget}"),
+        (args.cpu_budget is None or (math.isfinite(args.cpu_budget) and args.cpu_budget >= 0),
+         f"--cpu-budget must be a number >= 0 GiB, got {args.cpu_budget}"),
         (args.threads is None or args.threads >= 1,
          f"--threads must be >= 1, got {args.threads}"),
         (args.staging_slots >= 1,
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
-        (args.kv_store_budget is None or (args.kv_store and args.kv_store_budget > 0),
-         "--kv-store-budget goes with --kv-store DIR and must be > 0 GiB"),
+        (args.kv_store_budget is None
+         or (args.kv_store and math.isfinite(args.kv_store_budget) and args.kv_store_budget > 0),
+         "--kv-store-budget goes with --kv-store DIR and must be a number > 0 GiB"),
         ((args.rope_factor is None and args.rope_orig_ctx is None) or args.rope_scaling,
          "--rope-factor and --rope-orig-ctx go with --rope-scaling {linear,yarn,llama3}"),
-        (not args.rope_scaling or (args.rope_factor or 0) > 1,
-         "--rope-scaling needs --rope-factor F with F > 1"),
+        (not args.rope_scaling or (args.rope_factor is not None
+                                   and math.isfinite(args.rope_factor) and args.rope_factor > 1),
+         "--rope-scaling needs --rope-factor F with F a number > 1"),
         (args.rope_orig_ctx is None or args.rope_orig_ctx > 0,
          "--rope-orig-ctx must be a positive number of positions"),
         (args.select in ("quest", "oracle") or args.select_budget is None,
@@ -183,25 +217,27 @@ def select_fields(args):
             "select_dense": args.select_dense}
 
 
-def open_kv_store(args):
-    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError."""
+def open_kv_store(args, log=None):
+    """--kv-store DIR as a kvstore.KVStore (None without the flag); a bad one is a UsageError.
+    log: where the store reports each entry it rejects (default stderr)."""
     if not args.kv_store:
         return None
     try:
-        return KVStore(args.kv_store, budget_gib=args.kv_store_budget)
+        return KVStore(args.kv_store, budget_gib=args.kv_store_budget, log=log)
     except StoreError as e:
-        raise UsageError(f"--kv-store {e}") from None
+        raise UsageError(str(e)) from None
 
 
 def check_writable_dir(path):
-    """Create `path` (owner-only) if needed and check it is writable; True if created here."""
-    created = not os.path.exists(path)
+    """Create `path` if needed, check it is private (private.make_private_dir: yours, mode 700, not
+    a link) and writable; True if created here."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        created = make_private_dir(path, "--offload-dir")
+        fd, probe = create_private(path, ".probe-")
+        os.close(fd)
         os.remove(probe)
+    except PrivateError as e:
+        raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--offload-dir {path}: cannot create or write it ({e.strerror or e}); "
                          "choose a writable directory") from None
@@ -209,17 +245,24 @@ def check_writable_dir(path):
 
 
 def remove_if_empty(path):
-    """After a successful run, the offload dir this run created is removed again if it is empty."""
+    """Remove the directory `path` if it is empty; leave it otherwise."""
     try:
         os.rmdir(path)
     except OSError:
         pass
 
 
+def remove_created_offload_dir(args):
+    """On every exit of a script: the --offload-dir that check_common created for this run is
+    removed again if the run left it empty (a failed task's directory keeps it, for resume)."""
+    if getattr(args, "created_offload_dir", False):
+        remove_if_empty(args.offload_dir)
+
+
 def read_model_args(ckpt, args=None):
     """The checkpoint's ModelArgs, with the --rope-scaling override of `args` if it has one."""
-    path = os.path.join(ckpt, "config.json")
-    model_args = ModelArgs.from_config(read_json(path), path)
+    # checked against the weights' headers (checkpoint.read_config)
+    model_args = ModelArgs.from_config(*read_config(ckpt))
     if args and args.rope_scaling:
         return model_args.with_rope_override(*rope_override(args))
     return model_args
@@ -273,11 +316,11 @@ def add_measure_flags(p, verb):
     p.add_argument("--layers", type=int,
                    help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
     p.add_argument("--contexts", default="1024,4096,8192",
-                   help="prompt lengths, comma separated (default 1024,4096,8192)")
+                   help="prompt lengths, comma separated (default %(default)s)")
     p.add_argument("--modes", default="none,cpu,disk,disk+zstd",
                    help=f"comma list of {list(MODE_SPECS)} (default all)")
     p.add_argument("--new-tokens", type=int, default=32,
-                   help="greedy tokens generated per run (default 32)")
+                   help="greedy tokens generated per run (default %(default)s)")
     p.add_argument("--json", metavar="OUT", help="also write the numbers to this JSON file")
 
 
@@ -316,16 +359,35 @@ def check_measure(args, verb):
 # -----------------------------------------------------------------------------
 # generate.py's command line
 
+def group_help(p, groups):
+    """List p's flags under argument groups in --help, each group's in the order given (parsing is
+    unchanged; a flag no group names stays under "options")."""
+    by_dest = {a.dest: a for a in p._actions}
+    listed = {dest for dests in groups.values() for dest in dests}
+    for group in p._action_groups:
+        group._group_actions[:] = [a for a in group._group_actions if a.dest not in listed]
+    for title, dests in groups.items():
+        p.add_argument_group(title)._group_actions.extend(by_dest[d] for d in dests
+                                                          if d in by_dest)
+    return p
+
+
+def both_defaults(dest):
+    """'(default X; Y in the demo)' for a flag whose default differs in the demo."""
+    return f"(default {CKPT_DEFAULTS[dest]}; {DEMO_DEFAULTS[dest]} in the demo)"
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="generate.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="generate.py", usage=USAGE, description=DESCRIPTION,
+                                epilog=EXAMPLE,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_flags(p, None, None)
     for action in p._actions:  # the demo and a real checkpoint differ in these defaults: say both
         if action.dest == "chunk_size":
-            action.help = ("positions per KV chunk, the unit of transfer "
-                           "(default 512; 16 in the demo)")
+            action.help = ("positions per KV chunk, the unit of transfer, cut to a task's length "
+                           "where longer " + both_defaults("chunk_size"))
         elif action.dest == "window":
-            action.help = "sealed chunks per layer kept on the device (default 4; 1 in the demo)"
+            action.help = "sealed chunks per layer kept on the device " + both_defaults("window")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", help="prompt text (default: a built-in English paragraph)")
     g.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
@@ -339,12 +401,12 @@ def build_parser():
                    help="with --chat: a system message (default: none, or the template's own)")
     n = p.add_mutually_exclusive_group()
     n.add_argument("--max-new-tokens", type=int,
-                   help="tokens to generate (default 128; 64 in the demo); cut, with a warning, "
-                   "where the model's context ends")
+                   help=f"tokens to generate {both_defaults('max_new_tokens')}; cut, with a "
+                   "warning, where the model's context ends")
     n.add_argument("--max-length", type=int,
                    help="cap on prompt plus generated tokens (default: the model's maximum)")
     p.add_argument("--offload", choices=MODES,
-                   help="where sealed chunks beyond the window go (default none; disk in the demo)")
+                   help="where sealed chunks beyond the window go " + both_defaults("offload"))
     p.add_argument("--compress", choices=COMPRESSIONS, default="none",
                    help="compress disk chunks (lossless)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -355,6 +417,9 @@ def build_parser():
                    help="sampling seed; each step is reproducible on its own")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt instead of text")
+    p.add_argument("--echo", action="store_true",
+                   help="print the prompt (as given, not a chat template's rendering) before the "
+                   "generated text (default: the generated text only)")
     b = p.add_argument_group("batch (with --prompts)")
     b.add_argument("--output",
                    help="RESULTS.jsonl: one line per finished task; ids already there are skipped")
@@ -374,23 +439,19 @@ def build_parser():
     b.add_argument("--trace",
                    help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
                    "alerts; appended to, each run starting with a {\"run_start\"} event")
-    return one_line_errors(p)
+    return one_line_errors(group_help(p, HELP_GROUPS))
 
 
 def resolve(args):
     """Fill demo or plain defaults, check every flag, and return (offload config, prompt text).
     No heavy work."""
-    demo = args.ckpt is None
+    defaults = DEMO_DEFAULTS if args.ckpt is None else CKPT_DEFAULTS
     args.ckpt = args.ckpt or DEMO_CKPT
-    if args.chunk_size is None:
-        args.chunk_size = 16 if demo else 512
-    if args.window is None:
-        args.window = 1 if demo else 4
-    args.offload = args.offload or ("disk" if demo else "none")
+    for dest in ("chunk_size", "window", "offload", "threads"):
+        if getattr(args, dest) is None:
+            setattr(args, dest, defaults[dest])
     if args.max_new_tokens is None and args.max_length is None:
-        args.max_new_tokens = 64 if demo else 128
-    if args.threads is None and demo:
-        args.threads = 1
+        args.max_new_tokens = defaults["max_new_tokens"]
     checks = [
         (args.max_new_tokens is None or args.max_new_tokens > 0,
          f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
@@ -398,8 +459,11 @@ def resolve(args):
          f"--max-length must be >= 1, got {args.max_length}"),
         (args.compress == "none" or args.offload == "disk",
          "--compress zstd applies to the disk tier; add --offload disk"),
-        (args.temperature >= 0 and args.top_k >= 0 and 0 < args.top_p <= 1,
-         "--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (math.isfinite(args.temperature) and args.temperature >= 0 and args.top_k >= 0
+         and 0 < args.top_p <= 1,
+         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (abs(args.seed) < SEED_LIMIT,
+         f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
         (os.path.isdir(args.ckpt),
          f"--ckpt {args.ckpt}: no such directory"),
         (not args.prompts or args.output,
@@ -412,16 +476,16 @@ def resolve(args):
          "--batch-size goes with --prompts TASKS.jsonl (a single --prompt is one task)"),
         (args.fallback_context is None or args.fallback_context > 0,
          "--fallback-context must be >= 1"),
-        (args.fallback_cpu_budget is None or args.fallback_cpu_budget > 0,
-         "--fallback-cpu-budget must be > 0 GiB"),
+        (args.fallback_cpu_budget is None
+         or (math.isfinite(args.fallback_cpu_budget) and args.fallback_cpu_budget > 0),
+         "--fallback-cpu-budget must be a number > 0 GiB"),
         (args.system is None or args.chat,
          "--system goes with --chat; add --chat"),
     ]
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
-    check_common(args, needs_disk=args.offload == "disk")
-    if args.prompt_file:
+    if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 text = f.read()
@@ -429,6 +493,7 @@ def resolve(args):
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    check_common(args, needs_disk=args.offload == "disk")
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots,
@@ -462,10 +527,19 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    try:
+        return generate_main(args)
+    finally:
+        remove_created_offload_dir(args)
+
+
+def generate_main(args):
+    """One prompt or a --prompts batch, as `python generate.py` runs it: the exit code."""
     # a file-size limit then fails a write (EFBIG), not the process
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     layout = None
     try:
+        launch.check(args.tp)  # a --tp the torchrun world refuses: before any file is made
         cfg, text = resolve(args)
         layout = launch.start(args.tp, args.device)  # one rank, or this rank of a torchrun world
         args.device = str(layout.device)
@@ -489,7 +563,7 @@ def main(argv=None):
             plan_lengths(args, len(prompt_ids), model_args)
         if args.threads:
             torch.set_num_threads(args.threads)
-        kv_store = open_kv_store(args)
+        kv_store = open_kv_store(args, log)
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))
@@ -544,7 +618,8 @@ def main(argv=None):
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
         if cfg.mode != "none":
-            monitor.context_stayed_on_device(task["id"], stats, args.chunk_size, cfg.window)
+            monitor.context_stayed_on_device(task["id"], stats, len(ids) + len(new),
+                                             args.chunk_size, cfg.window, model_args.n_layers)
         result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
                   "text": tokenizer.decode(new)}
         if context:
@@ -575,8 +650,6 @@ def main(argv=None):
             rc = 0
     finally:
         launch.finish(layout)
-    if rc == 0 and getattr(args, "created_offload_dir", False):
-        remove_if_empty(args.offload_dir)
     return rc
 
 
@@ -593,14 +666,16 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
         printed[0] = full
 
     show_text = speak and not args.json
-    if show_text:
-        # a chat prompt is the template's business, not the page's
-        sys.stdout.write(text if not args.chat else "")
+    if show_text and args.echo:
+        sys.stdout.write(text)
     progress = Progress(enabled=show_text)  # prefill progress on stderr, when it is a terminal
     try:
         result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
                          progress=progress)
-    except (UsageError, OffloadError, TaskDirError, OSError) as e:
+    except TaskDirError as e:  # its directory cannot be used: refused before any work
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    except (UsageError, OffloadError, OSError) as e:
         print(f"\ngenerate.py: error: {e}", file=sys.stderr)
         return 1
     finally:

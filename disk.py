@@ -15,6 +15,8 @@ import zlib
 import numpy as np
 import torch
 
+from private import PrivateError, open_private, remove_quietly
+
 # every chunk starts on a page boundary in every tier, so kernels see identically aligned inputs
 ALIGN = 4096
 
@@ -31,6 +33,8 @@ class DiskTier:
     stored, so that a manifest can vouch for the chunk after a crash (vouch, verify_prefix)."""
 
     def __init__(self, path, n_layers, n_chunks, shape, dtype, compress, restore=None):
+        """path: the task's (private) directory; restore: a manifest's "chunks" (checked by
+        taskdir.chunks_problem) to resume from, or None to start afresh."""
         self.path = path
         self.shape = shape
         self.dtype = dtype
@@ -42,35 +46,71 @@ class DiskTier:
         self.index = {}  # zstd: (layer, j) -> (offset, length)
         self.views = {}  # raw: (layer, j) -> tensor over the mapping
         self.crcs = {}   # (layer, j) -> CRC32 of the chunk as stored
-        flags = os.O_RDWR | os.O_CREAT
-        if restore is None:  # resuming raw passes {}
-            flags |= os.O_TRUNC
+        self.fds = []
+        self.maps = []
+        names = [f"layer{l}.zst" if compress == "zstd" else f"layer{l}.kv" for l in range(n_layers)]
         try:
+            self.resumed = False
+            if restore is not None:
+                self.resumed = self._open(names, fresh=False)
+            if not self.resumed:  # nothing to resume, or files that are not ours: start afresh
+                self._open(names, fresh=True)
             if compress == "zstd":
                 import zstandard
                 self.zc = zstandard.ZstdCompressor(level=1)
                 self.zd = zstandard.ZstdDecompressor()
-                self.fds = [os.open(os.path.join(path, f"layer{l}.zst"), flags, 0o600)
-                            for l in range(n_layers)]
-                for (l, j), (off, n) in (restore or {}).items():
-                    self.index[(l, j)] = (off, n)
+                if self.resumed:
+                    self.index = self._blob_index(restore)
                 self.ends = []  # per layer: the end of its last blob
                 for l in range(n_layers):
                     ends = [o + n for (l2, _), (o, n) in self.index.items() if l2 == l]
                     self.ends.append(max(ends, default=0))
             else:
-                self.maps, self.fds = [], []
-                for l in range(n_layers):
-                    f = os.path.join(path, f"layer{l}.kv")
-                    size = n_chunks * self.slot_bytes
-                    self.fds.append(os.open(f, flags, 0o600))
-                    reserve(self.fds[-1], size)
-                    self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,)))
-        except OSError as e:
-            for fd in getattr(self, "fds", []):
-                os.close(fd)
-            raise DiskError(e.errno, f"--offload-dir: cannot create the disk tier in {path} "
-                                     f"({e.strerror or e})") from None
+                size = n_chunks * self.slot_bytes
+                for fd in self.fds:
+                    reserve(fd, size)
+                    # mapped through the descriptor open_private checked, never by name again
+                    with open(fd, "r+b", closefd=False) as f:
+                        self.maps.append(np.memmap(f, dtype=np.uint8, mode="r+", shape=(size,)))
+        except (OSError, PrivateError) as e:
+            self.close()
+            # PrivateError: a link came back at a name just cleared, a file that is not ours
+            code = e.errno if isinstance(e, OSError) else errno.EEXIST
+            raise DiskError(code, f"--offload-dir: cannot create the disk tier in {path} "
+                                  f"({getattr(e, 'strerror', None) or e})") from None
+
+    def _open(self, names, fresh):
+        """Open every layer's file, private (private.open_private). Fresh: whatever is at the name
+        is removed (a link goes, never its target) and a new file made. Else the files left by the
+        run being resumed: True if all are there and ours, else False with none left open."""
+        for name in names:
+            f = os.path.join(self.path, name)
+            if fresh:
+                remove_quietly(f)
+                self.fds.append(open_private(f, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+                continue
+            try:
+                self.fds.append(open_private(f, os.O_RDWR))
+            except (OSError, PrivateError):
+                self.close()
+                return False
+        return True
+
+    def _blob_index(self, chunks):
+        """A manifest's blob positions, chunk by chunk, up to the first one that does not lie
+        inside its file or is longer than any compressed chunk can be (a truncated file, a forged
+        manifest): that chunk and the ones after it are recomputed."""
+        sizes = [os.fstat(fd).st_size for fd in self.fds]
+        longest = self.chunk_bytes + (self.chunk_bytes >> 7) + 1024  # above zstd's worst case
+        index = {}
+        for j in range(len(chunks)):
+            blobs = chunks[str(j)]["blob"]
+            if not all(0 < n <= longest and off + n <= size
+                       for (off, n), size in zip(blobs, sizes)):
+                break
+            for l, (off, n) in enumerate(blobs):
+                index[(l, j)] = (off, n)
+        return index
 
     def view(self, layer, j):
         """Raw tier: chunk j of layer as a zero-copy tensor over the mapped file (made once, then
@@ -133,12 +173,6 @@ class DiskTier:
             raise OSError(errno.EIO, f"{self.path}/layer{layer}.zst: short read of chunk {j}")
         return data
 
-    def checksum(self, layer, j):
-        """CRC32 of chunk j as stored now (to check a restored chunk against its manifest)."""
-        if self.compress == "zstd":
-            return zlib.crc32(self.blob(layer, j)) if (layer, j) in self.index else None
-        return zlib.crc32(as_bytes(self.view(layer, j)))
-
     def vouch(self, n):
         """What a manifest records for chunks 0..n-1 of every layer, all written: per chunk the
         CRC32 of each layer's stored bytes and, compressed, where each blob lies."""
@@ -146,20 +180,38 @@ class DiskTier:
         chunks = {}
         for j in range(n):
             blobs = [self.index[(l, j)] for l in layers] if self.index else None
-            chunks[j] = {"crc": [self.crcs[(l, j)] for l in layers], "blob": blobs}
+            chunks[str(j)] = {"crc": [self.crcs[(l, j)] for l in layers], "blob": blobs}
         return chunks
 
     def verify_prefix(self, n, chunks):
         """Of chunks 0..n-1 left by an interrupted run, how many (a prefix) still hold what the
         manifest's `chunks` vouch for; their checksums are kept for the next manifest."""
+        if not self.resumed:
+            return 0
         for j in range(n):
-            c = chunks.get(str(j)) or chunks.get(j)
-            crcs = [self.checksum(l, j) for l in range(self.n_layers)] if c else None
-            if not c or crcs != c["crc"]:
+            crcs = chunks[str(j)]["crc"]
+            if not all(self.restorable(l, j, crc) for l, crc in enumerate(crcs)):
                 return j
             for l, crc in enumerate(crcs):
                 self.crcs[(l, j)] = crc
         return n
+
+    def restorable(self, layer, j, crc):
+        """Chunk j of layer is what the run that vouched `crc` for it stored: its CRC32 matches
+        and, compressed, its blob decompresses to exactly one chunk."""
+        if self.compress != "zstd":
+            return zlib.crc32(as_bytes(self.view(layer, j))) == crc
+        if (layer, j) not in self.index:
+            return False
+        blob = self.blob(layer, j)
+        if zlib.crc32(blob) != crc:
+            return False
+        import zstandard
+        try:
+            planes = self.zd.decompress(blob, max_output_size=self.chunk_bytes)
+        except zstandard.ZstdError:
+            return False
+        return len(planes) == self.chunk_bytes
 
     def flush(self):
         """Make every write so far durable (msync / fsync) before a manifest vouches for it."""
@@ -169,7 +221,7 @@ class DiskTier:
             os.fsync(fd)
 
     def close(self):
-        for fd in getattr(self, "fds", []):
+        for fd in self.fds:
             os.close(fd)
         self.fds = []
         self.maps = []

@@ -4,8 +4,8 @@ The troubleshooting chains of KV offload, checked on this machine for one config
     python doctor.py --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \
         --context 32768
 
-One line per symptom, in the order users meet them, "ok" or "FOUND" with the cause and the flag that
-fixes it:
+One line per symptom, in the order users meet them: "FOUND" with the cause and the flag that fixes
+it, or "ok ... not found" with what was checked:
     device memory never changes (offload not in effect): a context that fits in the window (window
         >= context in chunks, or a chunk as large as the context); an offload directory that cannot
         be written, or that lives in RAM (tmpfs) when the disk tier was meant; a budget smaller than
@@ -41,6 +41,8 @@ from cli import (
 from model import Transformer
 from monitor import fmt_bytes, mem_available
 from offload import COMPRESSIONS, MODES
+from policy import plan_tiers
+from private import PrivateError, create_private, dir_problem, make_private_dir
 from tune import slot
 
 GiB = 2**30
@@ -80,12 +82,15 @@ def writable(path):
     if not os.path.isdir(anc):
         return f"{anc} is a file, so {path} cannot be created"
     if anc == os.path.abspath(path):
-        probe_file = os.path.join(path, f".doctor-{os.getpid()}")
-        try:
-            open(probe_file, "w").close()
+        problem = dir_problem(os.lstat(path))  # generate.py refuses what is not private
+        if problem:
+            return f"{path} {problem}"
+        try:  # a new private file under a random name: nothing planted is opened
+            fd, probe_file = create_private(path, ".doctor-")
+            os.close(fd)
             os.remove(probe_file)
-        except OSError as e:
-            return f"{path} cannot be written ({e.strerror or e})"
+        except (OSError, PrivateError) as e:
+            return f"{path} cannot be written ({getattr(e, 'strerror', None) or e})"
         return None
     if os.access(anc, os.W_OK | os.X_OK):
         return None
@@ -102,19 +107,22 @@ def pinned_ok(nbytes=1 << 20):
 
 
 # -----------------------------------------------------------------------------
-# the checks: each returns (found, symptom, cause or what was checked, fix)
+# the checks: each returns (found, symptom, cause or what was checked, fix); a symptom names the
+# fault, so that "ok     <symptom>: not found" reads as good news
 
 def check_config(args, model_args):
     """Offload configured, yet nothing leaves the device: the context fits in the window plus the
     open chunk."""
     C = args.chunk_size
     W = args.window
-    n = -(-args.context // C)
+    tiers, _ = plan(args, model_args)
+    n = tiers.per_layer
     symptom = "offload not in effect"
     if args.offload == "none":
         return False, symptom, "--offload none: the KV is meant to stay on the device", ""
-    if W + 1 < n:
-        checked = f"{n} chunks of {C} per layer, {W} in the window: {n - W - 1} leave the device"
+    if tiers.offloaded:
+        leave = tiers.offloaded // model_args.n_layers
+        checked = f"{n} chunks of {C} per layer, {W} in the window: {leave} leave the device"
         return False, symptom, checked, ""
     # the largest power of two that gives at least W + 2 chunks
     smaller = 1 << max(0, (args.context // (W + 2)).bit_length() - 1)
@@ -132,43 +140,51 @@ def check_config(args, model_args):
 
 def check_dir(args):
     if args.offload != "disk":
-        return [(False, "offload dir", f"--offload {args.offload} does not use it", "")]
+        return [(False, "offload dir not writable", f"--offload {args.offload} does not use it",
+                 "")]
     why = writable(args.offload_dir)
     kind = fs_type(args.offload_dir)
-    out = [(why is not None, "offload dir writable", why or f"{args.offload_dir} can be written",
+    checked = why or f"{args.offload_dir} can be written"
+    out = [(why is not None, "offload dir not writable", checked,
             "--offload-dir DIR on a writable disk (or --offload cpu)")]
     cause = f"{args.offload_dir} is on {kind or 'an unknown file system'}"
     if kind in IN_RAM:
         cause += ": the disk tier would live in RAM and count against host memory"
     fix = "--offload-dir on a disk-backed file system, or --offload cpu --cpu-budget GiB to say so"
-    out.append((kind in IN_RAM, "offload dir on a disk", cause, fix))
+    out.append((kind in IN_RAM, "offload dir in RAM", cause, fix))
     return out
+
+
+def plan(args, model_args):
+    """Where the chunks of --context positions go under this configuration (policy.plan_tiers),
+    and the bytes of one chunk as the tiers allocate it."""
+    chunk = slot(model_args, args, args.chunk_size)
+    host_slots = None  # the policy's default: all of --offload cpu, none of --offload disk
+    if args.cpu_budget is not None:
+        host_slots = int(args.cpu_budget * GiB) // chunk
+    tiers = plan_tiers(args.context, args.chunk_size, args.window, model_args.n_layers,
+                       args.offload, host_slots)
+    return tiers, chunk
 
 
 def plan_bytes(args, model_args):
     """KV bytes at the context: per chunk, offloaded in all, and the part the host holds."""
-    L = model_args.n_layers
-    chunk = slot(model_args, args, args.chunk_size)
-    n = -(-args.context // args.chunk_size)
-    off = 0 if args.offload == "none" else L * max(0, n - 1 - args.window) * chunk
-    if args.cpu_budget is not None:
-        budget = args.cpu_budget * GiB
-    else:
-        budget = off if args.offload == "cpu" else 0
+    tiers, chunk = plan(args, model_args)
+    off = tiers.offloaded * chunk
     if args.offload == "disk" and fs_type(args.offload_dir) in IN_RAM:
         on_host = off  # the disk tier's files are in memory too
     else:
-        on_host = min(off, budget)
+        on_host = tiers.host * chunk
     return chunk, off, on_host
 
 
 def check_budget(args, model_args):
-    chunk, off, _ = plan_bytes(args, model_args)
+    tiers, chunk = plan(args, model_args)
+    off = tiers.offloaded * chunk
     symptom = "budget smaller than the KV"
-    if args.offload == "cpu" and args.cpu_budget is not None and args.cpu_budget * GiB < off:
-        held = int(args.cpu_budget * GiB) // chunk
-        cause = (f"--cpu-budget {args.cpu_budget:g} GiB holds {held} of the {off // chunk} chunks "
-                 f"offloaded at {args.context} tokens ({fmt_bytes(off)})")
+    if tiers.unplaced:
+        cause = (f"--cpu-budget {args.cpu_budget:g} GiB holds {tiers.host} of the "
+                 f"{tiers.offloaded} chunks offloaded at {args.context} tokens ({fmt_bytes(off)})")
         fix = f"--cpu-budget {math.ceil(off / GiB * 1e4) / 1e4:g} or --offload disk"
         return True, symptom, cause, fix
     if args.offload == "disk":
@@ -196,24 +212,25 @@ def check_torch(args):
     if torch.version.cuda and not torch.cuda.is_available():
         cause = (f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but sees no "
                  "device (driver, CUDA_VISIBLE_DEVICES)")
-        out.append((True, "torch/CUDA match", cause, "--device cpu, or repair the driver"))
+        out.append((True, "torch/CUDA mismatch", cause, "--device cpu, or repair the driver"))
     elif cuda_wanted and not torch.version.cuda:
         cause = f"--device {args.device} with a CPU build of torch {torch.__version__}"
         fix = "--device cpu, or install a CUDA build of torch"
-        out.append((True, "torch/CUDA match", cause, fix))
+        out.append((True, "torch/CUDA mismatch", cause, fix))
     else:
         checked = (f"torch {torch.__version__}, CUDA build {torch.version.cuda}, device usable: "
                    f"{torch.cuda.is_available()}")
-        out.append((False, "torch/CUDA match", checked, ""))
+        out.append((False, "torch/CUDA mismatch", checked, ""))
     if cuda_wanted and torch.cuda.is_available():
         rc = pinned_ok()
         if rc:
             cause = f"cudaHostRegister of 1 MiB returned {rc}"
         else:
             cause = "1 MiB registered and released"
-        out.append((rc != 0, "pinned memory", cause, "a smaller --cpu-budget, or raise ulimit -l"))
+        out.append((rc != 0, "pinned memory refused", cause,
+                    "a smaller --cpu-budget, or raise ulimit -l"))
     else:
-        out.append((False, "pinned memory", "not used on CPU", ""))
+        out.append((False, "pinned memory refused", "not used on CPU", ""))
     return out
 
 
@@ -221,9 +238,9 @@ def check_run(args, model, model_args, skip):
     """A short greedy generation, --offload none and the configuration, on random ids long enough to
     fill the window and offload two chunks: bytes moving, and verify.py's comparison. skip: why it
     cannot run, or None."""
-    same = "same output with offload on and off"
+    same = "different output with offload on and off"
     if skip:
-        return [(True, "bytes moving", f"the short run was skipped: {skip}", "the fix above"),
+        return [(True, "no bytes moving", f"the short run was skipped: {skip}", "the fix above"),
                 (False, same, "not compared (the short run was skipped)", "")]
     n = min((args.window + 2) * args.chunk_size + 1, model_args.max_context - args.max_new_tokens)
     g = torch.Generator().manual_seed(0)
@@ -234,7 +251,7 @@ def check_run(args, model, model_args, skip):
         base = verify.run_mode(model, ids, max_new, C, "none", "none", args)
         run = verify.run_mode(model, ids, max_new, C, args.offload, args.compress, args)
     except Exception as e:  # what the user's run would meet: reported as the cause, one line
-        return [(True, "bytes moving", f"a short run with this configuration failed: {e}",
+        return [(True, "no bytes moving", f"a short run with this configuration failed: {e}",
                  "the cause it names"),
                 (False, same, "not compared (the short run failed)", "")]
     out = []
@@ -243,12 +260,13 @@ def check_run(args, model, model_args, skip):
     left = c["host"] + c["disk"]
     moved = b["d2h"] + b["disk_write"] + b["h2d"] + b["disk_read"] + b["disk_mapped_read"]
     if args.offload == "none":
-        out.append((False, "bytes moving", "--offload none: no bytes are meant to move", ""))
+        out.append((False, "no bytes moving", "--offload none: no bytes are meant to move", ""))
     else:
+        size = {k: fmt_bytes(v) for k, v in b.items()}
         checked = (f"{n} tokens, chunks device/host/disk {c['device']}/{c['host']}/{c['disk']}, "
-                   f"bytes d2h {b['d2h']} h2d {b['h2d']} disk write {b['disk_write']} read "
-                   f"{b['disk_read']} read in place {b['disk_mapped_read']}")
-        out.append((left == 0 or moved == 0, "bytes moving", checked,
+                   f"d2h {size['d2h']}, h2d {size['h2d']}, disk write {size['disk_write']}, "
+                   f"read {size['disk_read']}, read in place {size['disk_mapped_read']}")
+        out.append((left == 0 or moved == 0, "no bytes moving", checked,
                     "a --window or --chunk-size that offloads (see above)"))
     diff = verify.compare(base, run)
     if diff is None:
@@ -278,7 +296,7 @@ def check_link(args, model, model_args, skip):
     _, off, _ = plan_bytes(args, model_args)
     need = off * args.target_tok_s / probe.GB
     rates = {}
-    symptom = "storage link fast enough"
+    symptom = "storage link too slow"
     if off == 0:
         return False, symptom, "nothing is offloaded at this context", ""
     if args.offload == "disk":
@@ -359,10 +377,10 @@ def main(argv=None):
     findings = [check_config(args, model_args), *check_dir(args), check_budget(args, model_args),
                 *check_torch(args)]
     blocked = next((cause for found, symptom, cause, _ in findings
-                    if found and symptom == "offload dir writable"), None)
+                    if found and symptom == "offload dir not writable"), None)
     made = args.offload == "disk" and not blocked and not os.path.exists(args.offload_dir)
     if made:
-        os.makedirs(args.offload_dir, mode=0o700)
+        make_private_dir(args.offload_dir, "--offload-dir")  # 0700, and so are missing parents
     try:
         if not device_ok:
             args.device = "cpu"
@@ -379,8 +397,10 @@ def main(argv=None):
     print(f"{args.ckpt}: --offload {args.offload}{compress} --chunk-size {args.chunk_size} "
           f"--window {args.window} at {args.context} tokens, {args.device} {args.dtype}")
     for found, symptom, cause, fix in findings:
-        line = f"{'FOUND' if found else 'ok':<6} {symptom}: {cause}"
-        print(line + (f"; fix: {fix}" if found else ""))
+        if found:
+            print(f"FOUND  {symptom}: {cause}; fix: {fix}")
+        else:  # what was checked, after the symptom that was not found
+            print(f"ok     {symptom}: not found ({cause})")
     return 1 if any(f[0] for f in findings) else 0
 
 

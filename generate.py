@@ -93,6 +93,11 @@ def decode_batch(model, caches, tokens):
     return logits[:, -1], failed
 
 
+# |seed| below this keeps seed * 1_000_003 + position (sample's generator seed) inside the 64-bit
+# range torch takes
+SEED_LIMIT = 2**43
+
+
 @dataclass
 class Sampling:
     temperature: float = 0.0  # 0 = greedy

@@ -2,7 +2,8 @@
 The persistent KV store: prompt chunks kept on disk across runs and tasks, found again by what
 produced them.
 
-    store/              0700, owned by the user (an entry is trusted KV: nobody else may plant one)
+    store/              0700, owned by the user (an entry is trusted KV: nobody else may plant one;
+                        private.make_private_dir refuses any other directory)
         <key>.kv        one prompt chunk, every layer; 0600; <key> is 64 hex digits
         .tmp-<key>-<pid>-<random>
                         a write in progress, renamed over <key>.kv once complete and synced
@@ -31,8 +32,10 @@ Concurrency (several processes, one store): a write goes to a private temporary 
 and renamed into place, so a reader sees no entry, an older entry or the new one, never part of
 one; two writers of one key write the same bytes and one rename simply wins. A reader holds its file
 open, so an eviction meanwhile cannot cut it short; a file that vanishes before it is opened is a
-miss. Every read checks the CRCs: a failing entry is a miss and is removed (only if the path still
-names the file that failed), so the caller recomputes and writes it again. Claims let tasks that
+miss. Every read checks the CRCs: a failing entry is a miss, is reported (log) and removed (only if
+the path still names the file that failed), so the caller recomputes and writes it again; a write
+that finds an entry already there checks it the same way, so every bad entry a run meets is
+repaired, not only the first. Claims let tasks that
 start together compute a shared chunk once (claim, then write and release; or wait_for the entry):
 task.PromptCache says how.
 """
@@ -41,7 +44,6 @@ import errno
 import hashlib
 import os
 import re
-import secrets
 import socket
 import struct
 import sys
@@ -53,6 +55,14 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DISK_FULL, as_bytes, join_planes, retry, round_up, split_planes
+from private import (
+    PrivateError,
+    create_private,
+    fsync_dir,
+    make_private_dir,
+    open_private,
+    remove_quietly,
+)
 
 MAGIC = b"KVS1"
 HEADER = struct.Struct("<4sBBIQ32s")  # magic, compression, itemsize, n_layers, chunk_bytes, key
@@ -111,23 +121,20 @@ def flat_bytes(buf):
 class KVStore:
     """A directory of entries, shared by any number of processes; safe to use from several threads.
     budget_gib: evict least recently used entries after a write to stay under it (None = no limit).
-    compress: how this process writes ("none" or "zstd"); reads follow each entry's header."""
+    compress: how this process writes ("none" or "zstd"); reads follow each entry's header.
+    log(line): where each rejected entry is reported (default: stderr)."""
 
-    def __init__(self, root, budget_gib=None, compress="none", create=True):
+    def __init__(self, root, budget_gib=None, compress="none", create=True, log=None):
         if compress not in COMPRESSIONS:
             raise StoreError(f"compression must be one of {COMPRESSIONS}, got {compress!r}")
         self.root = root
         self.compress = compress
         self.budget = None if budget_gib is None else int(budget_gib * 2**30)
         try:
-            if create:
-                os.makedirs(root, mode=0o700, exist_ok=True)
-            st = os.stat(root)
-        except OSError as e:
-            raise StoreError(f"{root}: cannot use it as the KV store ({e.strerror})") from None
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise StoreError(f"{root} is open to other users (mode {st.st_mode & 0o777:o}, owner "
-                             f"{st.st_uid}); chmod 700 a directory of your own, or choose another")
+            make_private_dir(root, "--kv-store", create=create)
+        except PrivateError as e:
+            raise StoreError(str(e)) from None
+        self.log = log or print_to_stderr
         self.lock = threading.Lock()
         self.last_rejection = None
         self.stats = {"bytes_read": 0, "bytes_written": 0, "reused": 0, "stored": 0, "misses": 0,
@@ -161,31 +168,54 @@ class KVStore:
         so that the next write replaces it. A miss may leave the buffers half filled: recompute the
         chunk into them."""
         path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:  # never stored, or evicted since lookup()
+        flats = [flat_bytes(b) for b in buffers]
+        fd = self._open(path)
+        if fd is None:  # never stored, or evicted since lookup()
             self._count(misses=1)
             return 0
         try:
-            n = self._read_entry(fd, key, buffers)
+            n = self._read_entry(fd, key, flats, buffers[0].itemsize)
             try:
                 os.utime(fd)  # last use = now: eviction is least recently used first
             except OSError:
                 pass  # a read-only store still serves reads; it just cannot record their order
         except Rejected as e:
-            self.last_rejection = f"{path}: {e}"  # for the caller's log
-            self._count(misses=1, rejected=1)
-            self._discard(path, fd)
+            self._reject(path, fd, e)
             return 0
         finally:
             os.close(fd)
         self._count(bytes_read=n, reused=1)
         return n
 
-    def _read_entry(self, fd, key, buffers):
-        flats = [flat_bytes(b) for b in buffers]
+    def _open(self, path):
+        """A descriptor of the entry at path, or None when there is none. Something there that is
+        not an entry of ours (a link, a directory) is removed, reported, and is a miss."""
+        try:
+            return open_private(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except PrivateError as e:
+            self.last_rejection = str(e)
+            self._count(rejected=1)
+            self.log(f"{e} (it was removed)")
+            try:
+                os.unlink(path)  # a link goes, never its target
+            except OSError:
+                pass  # a directory: it stays, and every read of this key is a miss
+            return None
+
+    def _reject(self, path, fd, why):
+        """Report a rejected entry and remove it, so that the chunk is computed and stored again."""
+        self.last_rejection = f"{path}: {why}"  # for the caller's log
+        self._count(misses=1, rejected=1)
+        self._discard(path, fd)
+        self.log(f"KV store entry {self.last_rejection}; removed, the chunk is computed again")
+
+    def _read_entry(self, fd, key, flats, itemsize, fill=True):
+        """Check the entry open at fd against key and the buffers' sizes (flats, itemsize), and
+        with fill read its KV into the buffers. The bytes of the entry, or Rejected."""
         head = self._pread(fd, HEADER.size, 0)
-        magic, code, itemsize, n_layers, chunk_bytes, stored_key = HEADER.unpack(head)
+        magic, code, stored_itemsize, n_layers, chunk_bytes, stored_key = HEADER.unpack(head)
         # a sanity bound before the layer count sizes a read
         if magic != MAGIC or n_layers > 1 << 16:
             raise Rejected("not an entry of this store")
@@ -195,31 +225,45 @@ class KVStore:
         if stored_key != bytes.fromhex(key) or code >= len(COMPRESSIONS):
             raise Rejected("it holds another key, or an unknown compression")
         same_sizes = all(f.nbytes == chunk_bytes for f in flats)
-        if n_layers != len(flats) or not same_sizes or itemsize != buffers[0].itemsize:
-            raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, {itemsize} "
-                           "per element: the run fingerprint misses a setting")
+        if n_layers != len(flats) or not same_sizes or itemsize != stored_itemsize:
+            raise Rejected(f"it was made for {n_layers} layers of {chunk_bytes} bytes, "
+                           f"{stored_itemsize} per element: the run fingerprint misses a setting")
         off = round_up(HEADER.size + len(table), ALIGN)
         for l, dst in enumerate(flats):
             length, crc = LAYER.unpack_from(table, l * LAYER.size)
-            if code == 0:  # raw: read straight into the caller's buffer, then check it
-                if length != chunk_bytes:
-                    raise Rejected(f"layer {l} is short")
+            if code == 0 and length != chunk_bytes:
+                raise Rejected(f"layer {l} is short")
+            if code == 0 and fill:  # raw: read straight into the caller's buffer, then check it
                 got = retry(lambda: os.preadv(fd, [memoryview(dst)], off))
                 if got != length:
                     raise Rejected(f"layer {l} is short")
                 stored = dst
-            else:
+            else:  # a blob no longer than a chunk (zstd's worst case is a little longer)
+                if length > chunk_bytes + (chunk_bytes >> 7) + 1024:
+                    raise Rejected(f"layer {l} is longer than a chunk can be")
                 stored = self._pread(fd, length, off)
             if zlib.crc32(stored) != crc:
                 raise Rejected(f"layer {l} fails its checksum")
-            if code == 1:
-                import zstandard
-                planes = zstandard.ZstdDecompressor().decompress(stored,
-                                                                  max_output_size=chunk_bytes)
-                join_planes(planes, itemsize, dst)
+            if code == 1 and fill:
+                join_planes(decompress(stored, chunk_bytes, l), itemsize, dst)
             end = off + length
             off = round_up(end, ALIGN)
         return end
+
+    def _entry_ok(self, path, key, flats, itemsize):
+        """Whether the entry at path is whole and fits these buffers (checked, not read into them);
+        a bad one is rejected and removed."""
+        fd = self._open(path)
+        if fd is None:
+            return False
+        try:
+            self._read_entry(fd, key, flats, itemsize, fill=False)
+            return True
+        except Rejected as e:
+            self._reject(path, fd, e)
+            return False
+        finally:
+            os.close(fd)
 
     @staticmethod
     def _pread(fd, n, off):
@@ -241,16 +285,17 @@ class KVStore:
     def write(self, key, chunks):
         """Store one prompt chunk under key: chunks holds one contiguous host tensor or numpy array
         per layer, each a chunk [2, B, G, C, D]. Atomic (temporary file, fsync, rename). Returns the
-        bytes written, 0 when the key is already there (same key, same bytes) or the disk refuses
-        (full, read-only: the run goes on without it)."""
+        bytes written, 0 when the key is already there and whole (same key, same bytes; a bad entry
+        is replaced) or the disk refuses (full, read-only: the run goes on without it)."""
         path = self.path(key)
-        if os.path.exists(path):
-            return 0
         flats = [flat_bytes(c) for c in chunks]
         itemsize = chunks[0].itemsize
         chunk_bytes = flats[0].nbytes
         if any(f.nbytes != chunk_bytes for f in flats):
             raise ValueError("every layer's chunk must have the same size")
+        # an entry already there is kept only if it is whole: a bad one is replaced
+        if os.path.lexists(path) and self._entry_ok(path, key, flats, itemsize):
+            return 0
         code = COMPRESSIONS.index(self.compress)
         if code == 1:
             import zstandard  # a compressor per call: one object is not thread-safe
@@ -261,9 +306,9 @@ class KVStore:
         head = HEADER.pack(MAGIC, code, itemsize, len(blobs), chunk_bytes, bytes.fromhex(key))
         head += b"".join(LAYER.pack(len(memoryview(b).cast("B")), zlib.crc32(b)) for b in blobs)
         head += HCRC.pack(zlib.crc32(head))
-        tmp = os.path.join(self.root, f"{TEMP_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd, tmp = create_private(self.root, f"{TEMP_PREFIX}{key}-{os.getpid()}-")
             try:
                 n = 0
                 # each blob starts on a page, so that a raw layer could be mapped in place
@@ -277,7 +322,8 @@ class KVStore:
             os.replace(tmp, path)  # atomic; a concurrent writer of this key wrote the same bytes
             fsync_dir(self.root)
         except OSError as e:
-            remove_quietly(tmp)
+            if tmp is not None:
+                remove_quietly(tmp)
             # ENOENT: clear() took our temporary file
             if e.errno not in DISK_FULL and e.errno != errno.ENOENT:
                 raise
@@ -361,8 +407,8 @@ class KVStore:
             except OSError:
                 pass
         try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:  # another task's claim, or a store that takes none
+            fd = open_private(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except (OSError, PrivateError):  # another task's claim, or a store that takes none
             return False
         try:
             os.write(fd, f"{HOST} {os.getpid()}\n".encode())
@@ -402,11 +448,14 @@ def claim_is_void(path):
     """A claim that no longer stands: not renewed for STALE_CLAIM_S, or made by a process of this
     machine that is gone (killed while computing). False when there is no claim."""
     try:
-        with open(path, "rb") as f:
-            owner = f.read(256).split()
-            age = time.time() - os.fstat(f.fileno()).st_mtime
+        fd = open_private(path, os.O_RDONLY)
+    except PrivateError:
+        return True  # not a claim this project made (a link): void, and removed by claim()
     except OSError:
         return False
+    with os.fdopen(fd, "rb") as f:
+        owner = f.read(256).split()
+        age = time.time() - os.fstat(f.fileno()).st_mtime
     if age >= STALE_CLAIM_S:
         return True
     if len(owner) != 2 or owner[0] != HOST.encode() or not owner[1].isdigit():
@@ -429,20 +478,20 @@ def write_all(fd, data):
     return done
 
 
-def fsync_dir(path):
-    """Make a rename durable: the directory entry, not only the file's data."""
-    fd = os.open(path, os.O_RDONLY)
+def decompress(blob, chunk_bytes, layer):
+    """A zstd blob -> the byte planes of exactly one chunk, or Rejected."""
+    import zstandard
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        planes = zstandard.ZstdDecompressor().decompress(blob, max_output_size=chunk_bytes)
+    except zstandard.ZstdError:
+        raise Rejected(f"layer {layer} does not decompress") from None
+    if len(planes) != chunk_bytes:
+        raise Rejected(f"layer {layer} does not decompress to one chunk")
+    return planes
 
 
-def remove_quietly(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def print_to_stderr(line):
+    print(line, file=sys.stderr, flush=True)
 
 
 # -----------------------------------------------------------------------------

@@ -31,17 +31,25 @@ def under_torchrun():
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def start(tp, device):
-    """This process's Layout. --tp needs torchrun; without it everything is one rank, as before."""
+def check(tp):
+    """Refuse a --tp that cannot work, from the environment torchrun sets, before anything starts
+    (no process group, no file)."""
     if not under_torchrun():
         if tp is not None:
             raise LaunchError(f"--tp {tp} needs torchrun: torchrun --nproc-per-node N generate.py "
                               f"--tp {tp} ...; without torchrun drop --tp")
-        return Layout.single(device)
+        return
     world = int(os.environ["WORLD_SIZE"])
     if tp is not None and (tp < 1 or world % tp):
         raise LaunchError(f"--tp {tp} does not divide the {world} ranks torchrun started; "
                           f"choose --tp dividing {world}")
+
+
+def start(tp, device):
+    """This process's Layout. --tp needs torchrun; without it everything is one rank, as before."""
+    check(tp)
+    if not under_torchrun():
+        return Layout.single(device)
     return init_distributed(tp, device)
 
 

@@ -12,7 +12,6 @@ model itself knows nothing of chunks, tiers or transfers. RoPE frequencies (plai
 YaRN) and stretching them past the trained context: rope.py.
 """
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, iter_checkpoint, read_json
+from checkpoint import CheckpointError, check_config, iter_checkpoint, read_config
 from quantize import Int8Linear, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 from rowwise import linear
@@ -96,6 +95,7 @@ class ModelArgs:
         def refuse(what):
             raise CheckpointError(f"{path}: {what}; this project supports plain Llama, Mistral and "
                                   "Qwen2 models only")
+        check_config(hf_config, path)  # every field we read: its type and range
         archs = hf_config.get("architectures") or []
         arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         model_type = hf_config.get("model_type")
@@ -337,8 +337,8 @@ class Transformer(nn.Module):
         weights). rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained
         context, see ModelArgs.with_rope_override. quantize="int8": linear weights are quantized as
         they arrive (quantize.py), one tensor at a time."""
-        config_path = os.path.join(ckpt_dir, "config.json")
-        model_args = ModelArgs.from_config(read_json(config_path), config_path)
+        # checked against the weights' headers before anything is built from it
+        model_args = ModelArgs.from_config(*read_config(ckpt_dir))
         if rope_override is not None:
             model_args = model_args.with_rope_override(*rope_override)
         with torch.device("meta"):

@@ -22,6 +22,9 @@ import time
 
 import torch
 
+from policy import plan_tiers
+from private import PrivateError, open_private
+
 STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
 
 
@@ -87,14 +90,20 @@ def fmt_bytes(n):
 
 
 def progress_line(stats, n_prompt, n_new):
-    """The statistics line generate.py prints on stderr after one prompt."""
+    """The statistics line generate.py prints on stderr after one prompt. Prefill counts the prompt
+    tokens computed (not those reused from --kv-store or restored by a resume); decode counts the
+    decode steps, one fewer than the n_new tokens, since prefill's logits give the first."""
     b = stats["bytes"]
     c = stats["chunks"]
     io = stats["io"]
+    computed = stats.get("prefill_tokens", n_prompt)
+    prefill = f"prefill {computed} tok"
+    if computed != n_prompt:
+        prefill += f" of {n_prompt}"
     parts = [
-        f"prefill {n_prompt} tok {stats['prefill_s']:.2f}s "
-        f"({stats['prefill_tokens_per_s']:.1f} tok/s)",
-        f"decode {n_new} tok {stats['decode_tokens_per_s']:.1f} tok/s",
+        f"{prefill} {stats['prefill_s']:.2f}s ({stats['prefill_tokens_per_s']:.1f} tok/s)",
+        f"new {n_new} tok, decode {stats['decoded_tokens']} tok "
+        f"{stats['decode_tokens_per_s']:.1f} tok/s",
         f"peak device {fmt_bytes(stats['peak_device_bytes'])}",
         f"host rss {fmt_bytes(stats['peak_host_rss_bytes'])} "
         f"(anon {fmt_bytes(stats['peak_host_anon_bytes'])})",
@@ -110,6 +119,17 @@ def progress_line(stats, n_prompt, n_new):
     return " | ".join(parts)
 
 
+def open_trace(path):
+    """--trace PATH for appending, line-buffered: created 0600, never through a link at its name
+    (private.open_private); a path that cannot be is one ValueError sentence."""
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except (OSError, PrivateError) as e:
+        raise ValueError(f"--trace {path}: cannot be opened ({getattr(e, 'strerror', None) or e}); "
+                         "choose another file") from None
+    return os.fdopen(fd, "a", buffering=1)
+
+
 def print_to_stderr(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -123,8 +143,8 @@ class Monitor:
     keeps totals for the summary."""
 
     def __init__(self, trace_path=None, log=None, ram=None):
-        # appended to: runs accumulate
-        self.trace = open(trace_path, "a", buffering=1) if trace_path else None
+        # appended to: runs accumulate; private, as it holds the prompts' positions and timings
+        self.trace = open_trace(trace_path) if trace_path else None
         self.log = log or print_to_stderr
         self.ram = total_ram() if ram is None else ram
         self.lock = threading.Lock()
@@ -196,13 +216,16 @@ class Monitor:
         if self.ram and mem["rss"] > 0.8 * self.ram:
             self.alert("host_memory", f"host memory {mem['rss'] / 2**30:.1f} GiB is over 80% of "
                        f"this machine's {self.ram / 2**30:.1f} GiB: the job is about to swap; "
-                       "lower --concurrency or --cpu-budget")
+                       "lower --batch-size or --cpu-budget")
         chunks = snap["chunks"]
         left_device = chunks["host"] + chunks["disk"]
-        if snap["offloading"] and cache.n_sealed > snap["window"] and left_device == 0:
-            self.alert("offload_not_in_effect", f"task {task}: {cache.n_sealed} chunks sealed, "
-                       f"window {snap['window']}, yet none left the device: offload is not in "
-                       "effect", task)
+        # where the chunks should be by now: plan_tiers counts the next position's chunk as open
+        n_layers = cache.store.n_layers
+        plan = plan_tiers(cache.length + 1, cache.chunk_size, snap["window"], n_layers)
+        if snap["offloading"] and plan.offloaded and left_device == 0:
+            self.alert("offload_not_in_effect", f"task {task}: {cache.n_sealed} chunks sealed per "
+                       f"layer, window {snap['window']}: {plan.offloaded // n_layers} per layer "
+                       "should have left the device, yet none did: offload is not in effect", task)
         with self.lock:
             began, prompt_tokens = self.started.get(task, (time.perf_counter(), 0))
             expected = self.expected_s(prompt_tokens, cache.length)
@@ -212,12 +235,14 @@ class Monitor:
                        f"{cache.length}, over 2x the {expected:.1f}s that the mean rates of "
                        "finished tasks give for that much work", task)
 
-    def context_stayed_on_device(self, task, stats, chunk_size, window):
-        """Offload configured, yet the whole context fitted in the device window:
-        say so once, with the fix."""
+    def context_stayed_on_device(self, task, stats, positions, chunk_size, window, n_layers):
+        """Offload configured, yet the whole context fitted in the device window: say so once,
+        with the fix. positions: prompt plus generated tokens (the last one is never written)."""
         c = stats["chunks"]
         if c["host"] + c["disk"] == 0:
-            self.log(f"task {task}: offload is on, but the context ({c['device']} chunks per layer "
+            per_layer = plan_tiers(positions, chunk_size, window, n_layers).per_layer
+            chunks = "chunk" if per_layer == 1 else "chunks"
+            self.log(f"task {task}: offload is on, but the context ({per_layer} {chunks} per layer "
                      f"of {chunk_size} positions, counting the open one) fits in the device window "
                      f"(--window {window}), so nothing left the device; lower --window or "
                      "--chunk-size to offload")

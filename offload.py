@@ -37,7 +37,6 @@ no streams ("device" and host are one memory): host and raw disk chunks are read
 chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
 decompresses chunks into staging slots ahead of attention.
 """
-import os
 import queue
 import shutil
 import tempfile
@@ -53,6 +52,7 @@ import torch
 from disk import ALIGN, DiskTier, as_bytes, round_up
 from policy import Placement, plan_tiers
 from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda
+from private import PrivateError, make_private_dir
 
 MODES = ("none", "cpu", "disk")
 COMPRESSIONS = ("none", "zstd")
@@ -141,20 +141,22 @@ class TieredStore:
         self.durable = None
         self.own_dir = None  # a directory of our own when no task gave one: removed at close()
         if cfg.mode == "disk":
-            if disk_path is None:
-                os.makedirs(cfg.offload_dir, mode=0o700, exist_ok=True)
+            if disk_path is None:  # a private directory of our own (mkdtemp: 0700, a new name)
+                try:
+                    make_private_dir(cfg.offload_dir, "--offload-dir")
+                except PrivateError as e:
+                    raise OffloadError(str(e)) from None
                 disk_path = self.own_dir = tempfile.mkdtemp(prefix="kv-", dir=cfg.offload_dir)
-            blobs = {(l, int(j)): tuple(c["blob"][l])
-                     for j, c in (restore or {}).items() if c.get("blob") for l in range(n_layers)}
             self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype, cfg.compress,
-                                 restore=blobs if restore else None)
+                                 restore=restore)
         offloading = cfg.mode != "none"
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None
 
         # prefetch: CUDA stages every offloaded chunk, CPU only zstd ones (the rest: read in place)
         self.staged = offloading and (self.cuda or cfg.compress == "zstd")
-        n_slots = cfg.staging_slots if self.staged else 0
+        # no step reads more chunks than the task has: more slots would be memory never used
+        n_slots = min(cfg.staging_slots, n_layers * self.n_chunks) if self.staged else 0
         self.staging = Staging(n_slots, shape, dtype, self.device, self.cuda)
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)   # host/disk -> device: prefetches

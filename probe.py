@@ -29,12 +29,14 @@ from checkpoint import CheckpointError
 from cli import (
     DEMO_CKPT,
     DTYPES,
+    MODE_SPECS,
     UsageError,
     add_measure_flags,
     check_measure,
     one_line_errors,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import DiskError
@@ -43,8 +45,11 @@ from kvcache import make_cache
 from kvlayout import kv_bytes_per_token
 from model import Transformer
 from offload import OffloadConfig
+from policy import plan_tiers
 from pools import OffloadError
+from private import create_private, open_private, write_atomic
 from random_model import SIZE_KEYS, build_random_checkpoint
+from rope import context_refusal
 from taskdir import TaskDirError
 
 GB = 1e9
@@ -145,18 +150,23 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
     """Sequential write then read of a scratch file in dirpath, around the page cache: O_DIRECT
     where the file system allows it, else buffered I/O + fsync + posix_fadvise(DONTNEED), so that
     the read comes from the device."""
-    path = os.path.join(dirpath, f".bench-probe-{os.getpid()}")
     buf = mmap.mmap(-1, block)  # mmap: page aligned
     buf.write(os.urandom(block))
     direct = getattr(os, "O_DIRECT", 0)
     method = "O_DIRECT"
+    # a new private file under a random name (private.create_private): nothing planted is opened
+    fd, path = create_private(dirpath, ".bench-probe-")
+    os.close(fd)
+    fd = None
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+        fd = open_private(path, os.O_WRONLY | direct)
         os.write(fd, buf)  # some file systems accept O_DIRECT at open and refuse the first write
     except OSError:
+        if fd is not None:
+            os.close(fd)
         direct = 0
         method = "buffered + fsync + posix_fadvise(DONTNEED)"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_private(path, os.O_WRONLY)
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         t = time.perf_counter()
@@ -167,7 +177,7 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
         # drop the (now clean) cached pages before reading
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-        fd = os.open(path, os.O_RDONLY | direct)
+        fd = open_private(path, os.O_RDONLY | direct)
         t = time.perf_counter()
         while os.readv(fd, [buf]) > 0:
             pass
@@ -350,9 +360,13 @@ def median_of(cals):
     return cals[0]
 
 
-def n_sealed(ctx, args):
-    """Sealed chunks per layer, halfway through decoding."""
-    return (ctx + args.new_tokens // 2) // args.chunk_size
+def halfway(ctx, mode, args, model_args):
+    """The chunks per tier halfway through decoding (policy.plan_tiers), when ctx +
+    new_tokens // 2 positions are written: plan_tiers counts the chunk of the next position as the
+    open one."""
+    tier = MODE_SPECS[mode][0]
+    return plan_tiers(ctx + args.new_tokens // 2 + 1, args.chunk_size, args.window,
+                      model_args.n_layers, tier)
 
 
 def predict_decode(cal, ctx, mode, args, model_args, cuda):
@@ -361,7 +375,7 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
                 sampling, Python)
         a       attending to one sealed chunk: (step at n_b sealed chunks - fixed) / (L * n_b),
                 measured
-        n_off   L * (n_sealed - window) chunks not on the device (0 with --offload none); each
+        n_off   the chunks not on the device (policy.plan_tiers; 0 with --offload none); each
                 costs instead:
     CPU, cpu and raw disk: read in place (disk through views of the mapped file made once), nothing
     moves: a.
@@ -375,9 +389,9 @@ def predict_decode(cal, ctx, mode, args, model_args, cuda):
     a = cal["chunk_s"]
     if mode == "disk+zstd" and not z:
         return None
-    L = model_args.n_layers
-    sealed = L * n_sealed(ctx, args)
-    n_off = 0 if mode == "none" else L * max(0, n_sealed(ctx, args) - args.window)
+    tiers = halfway(ctx, mode, args, model_args)
+    sealed = tiers.device + tiers.offloaded
+    n_off = tiers.offloaded
     chunk = chunk_bytes(model_args, args, args.chunk_size)
     worker = cal["worker_handoff_s"]
     if mode == "disk+zstd":
@@ -411,7 +425,7 @@ def predict_prefill(fit, cal, ctx, mode, args, model_args):
     s = N * fixed + per_chunk * N * (N - 1) / 2
     if mode == "disk+zstd" and cal.get("zstd"):
         chunk = chunk_bytes(model_args, args, args.chunk_size)
-        leaving = model_args.n_layers * max(0, N - 1 - args.window)
+        leaving = plan_tiers(ctx, args.chunk_size, args.window, model_args.n_layers).offloaded
         s += leaving * chunk / (cal["zstd"]["compress_gbps"] * GB)
     return ctx / s
 
@@ -505,9 +519,9 @@ def build_parser():
     add_measure_flags(p, "probe")
     p.add_argument("--repeats", type=int, default=3,
                    help="calibrations, element-wise medians reported; the disk is measured in the "
-                   "first (default 3)")
+                   "first (default %(default)s)")
     p.add_argument("--probe-mib", type=int, default=512,
-                   help="size of the probe's disk test file (default 512 MiB)")
+                   help="size of the probe's disk test file (default %(default)s MiB)")
     return one_line_errors(p)
 
 
@@ -532,9 +546,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if max(contexts) + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
+            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
@@ -549,6 +563,7 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_created_offload_dir(args)
     print(report(machine, cal, args, model_args, contexts, modes, cuda))
     if args.json:
         predicted = {ctx: {m: predict_decode(cal, ctx, m, args, model_args, cuda) for m in modes}
@@ -556,8 +571,8 @@ def main(argv=None):
         out = {"machine": machine, "config": describe(args, model_args, contexts, modes),
                "calibration": cal, "verdict": verdict(cal, args, model_args, contexts, modes, cuda),
                "predicted": predicted}
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        # 0600, and a link at the name is replaced, never followed
+        write_atomic(args.json, json.dumps(out, indent=1).encode())
     return 0
 
 

@@ -16,13 +16,14 @@ from kvstore import STALE_CLAIM_S, chunk_keys
 from monitor import host_memory, process_io
 from pools import on_cuda
 from quantize import weight_bytes
-from taskdir import TaskDir, run_fingerprint
+from taskdir import TaskDir, chunks_problem, manifest_size_bound, run_fingerprint, tokens_problem
 from tp import Layout, agree_min, broadcast_token
 
 
-def resume_point(manifest, task, chunk_size):
-    """From a manifest left by an interrupted run:
-    (chunks to restore, generated tokens to replay, why not)."""
+def resume_point(manifest, task, model_args, eos_ids=()):
+    """From a manifest left by an interrupted run (its checksum checked by read_manifest):
+    (chunks to restore, generated tokens to replay, why not). Every field is checked by type and
+    range against this task and model before it is used (taskdir.tokens_problem, chunks_problem)."""
     if manifest is None:
         return 0, [], None
     for key, value in task.items():
@@ -31,12 +32,18 @@ def resume_point(manifest, task, chunk_size):
             if key == "fingerprint":
                 why = " (other weights, or a setting that changes the KV)"
             return 0, [], f"manifest was written for another {key}{why}"
-    tokens = manifest.get("tokens", [])
+    C = task["chunk_size"]
     P = len(task["prompt_ids"])
-    if tokens[:P] != task["prompt_ids"]:
-        return 0, [], "manifest tokens do not start with this prompt"
+    tokens = manifest.get("tokens")
+    chunks = manifest.get("chunks")
+    max_chunks = -(-(P + task["max_new_tokens"]) // C)
+    why = (tokens_problem(tokens, task["prompt_ids"], task["max_new_tokens"],
+                          model_args.vocab_size, eos_ids)
+           or chunks_problem(chunks, model_args.n_layers, max_chunks, task["compress"] == "zstd"))
+    if why:
+        return 0, [], f"manifest {why}"
     # keep >= 1 position to recompute
-    n = min(len(manifest.get("chunks", {})), (len(tokens) - 1) // chunk_size)
+    n = min(len(chunks), (len(tokens) - 1) // C)
     return n, tokens[P:], None
 
 
@@ -60,6 +67,10 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     one of a batch whose decode steps run as one forward pass, its output unchanged."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
+    # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
+    # sealed, so the output is the same, and nothing is allocated or reserved for positions that
+    # cannot exist
+    chunk_size = min(chunk_size, len(prompt_ids) + max_new_tokens)
     taskdir = TaskDir(cfg.offload_dir, task_id, layout.rank_dir()) if cfg.mode == "disk" else None
     if fingerprint and layout.tp > 1:  # a rank's KV depends on N and on which heads it holds
         fingerprint = f"{fingerprint}-{layout.fingerprint_part()}"
@@ -79,8 +90,16 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     task["select"] = None
     if cfg.select != "all":
         task["select"] = [cfg.select, cfg.select_budget, cfg.select_dense, cfg.window]
-    manifest = taskdir.read_manifest() if taskdir and fingerprint else None
-    n_restore, replay, why = resume_point(manifest, task, chunk_size)
+    manifest = None
+    why = None  # a manifest that cannot be used: reported, and the task starts over
+    if taskdir and fingerprint:
+        n_tokens = len(prompt_ids) + max_new_tokens
+        bound = manifest_size_bound(n_tokens, -(-n_tokens // chunk_size), model.args.n_layers)
+        manifest, why = taskdir.read_manifest(bound)
+    if why is None:
+        n_restore, replay, why = resume_point(manifest, task, model.args, eos_ids)
+    else:
+        n_restore, replay = 0, []
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
     # the ranks of a replica step together: same prefix, same replay
@@ -126,10 +145,13 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             cache.length = restored * chunk_size
             cache.summarize_restored(restored)  # a selection's digests of the restored chunks
             resumed_from = cache.length
+            store_read_s = 0.0
             if kv_store:
                 prompt_cache = PromptCache(kv_store, cache, prompt_ids, fingerprint, model,
                                            layout)
+                t = time.perf_counter()
                 prompt_cache.adopt(cache)
+                store_read_s = time.perf_counter() - t
 
             def step(phase, logits, cache):
                 if prompt_cache and phase == "prefill":
@@ -142,6 +164,9 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                                         layout=layout, batcher=batcher)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
+                # reading the stored chunks comes before the first token too
+                stats["store_read_s"] = round(store_read_s, 4)
+                stats["ttft_s"] = round(stats["ttft_s"] + store_read_s, 4)
         ok = True
     finally:
         if prompt_cache is not None:
@@ -164,6 +189,8 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     clock = {"t": time.perf_counter(), "prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     replayed = list(out)
     io_start = process_io()
+    # prompt positions restored (resume) or adopted (--kv-store) are not computed here
+    computed = max(0, len(prompt_ids) - cache.length)
 
     def timed_step(phase, logits, cache):
         if stream is not None:
@@ -207,7 +234,8 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     read_per_step = round(cache.decode_chunks / max(1, cache.decode_steps), 2)
     return new, {
         "prefill_s": round(clock["prefill_s"], 4),
-        "prefill_tokens_per_s": round(len(prompt_ids) / max(clock["prefill_s"], 1e-9), 2),
+        "prefill_tokens": computed,
+        "prefill_tokens_per_s": round(computed / max(clock["prefill_s"], 1e-9), 2),
         "ttft_s": round(clock.get("ttft_s", clock["prefill_s"]), 4),
         "decode_s": round(clock["decode_s"], 4),
         # decoded in this run: a resumed task's replayed tokens are not

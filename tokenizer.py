@@ -4,12 +4,13 @@ Tokenizers of Hugging Face checkpoints: `tokenizer.model` (sentencepiece: Llama 
 and generation_config.json. Instruct models also get their chat template rendered here, as
 transformers renders it.
 """
+import functools
 import json
 import os
 import re
 from datetime import datetime
 
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError, check_config, check_token_ids, read_json
 
 # the named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
@@ -19,9 +20,12 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 class Tokenizer:
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
-        hf_config = read_json(os.path.join(ckpt_dir, "config.json"))
+        config_path = os.path.join(ckpt_dir, "config.json")
+        hf_config = read_json(config_path)
+        check_config(hf_config, config_path)
         gen_path = os.path.join(ckpt_dir, "generation_config.json")
         gen = read_json(gen_path) if os.path.exists(gen_path) else {}
+        check_token_ids(gen, gen_path, hf_config.get("vocab_size"))
         self.bos_id = gen.get("bos_token_id", hf_config.get("bos_token_id"))
         # transformers' generate stops at any of generation_config's eos ids (Llama 3 instruct
         # lists two or three)
@@ -108,14 +112,21 @@ class Tokenizer:
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         # tools and documents are None: templates test them to switch their tool-use sections off
         try:
-            text = template.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **{**self.special_tokens, **template_vars})
+            text = render(template, messages=messages, tools=None, documents=None,
+                          add_generation_prompt=add_generation_prompt,
+                          **{**self.special_tokens, **template_vars})
+        except jinja2.exceptions.SecurityError as e:  # past a bound of compile_template's
+            raise ValueError(f"the chat template of {self.ckpt_dir} was stopped ({one_line(e)}); "
+                             "it is not a template this project can render") from None
         except jinja2.TemplateError as e:
             # raise_exception() in the template, e.g. "roles must alternate"
-            raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages ({e}); "
-                             "check their roles and order (some templates take no system "
-                             "message)") from None
+            raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages "
+                             f"({one_line(e)}); check their roles and order (some templates take "
+                             "no system message)") from None
+        except Exception as e:  # the template is code from the checkpoint: any error is its own
+            raise ValueError(f"the chat template of {self.ckpt_dir} failed "
+                             f"({type(e).__name__}: {one_line(e)}); fix the template, or drop "
+                             "--chat") from None
         return self.encode_rendered(text)
 
     def chat_template(self):
@@ -131,9 +142,9 @@ class Tokenizer:
                                       "checkpoint")
             try:
                 self._template = compile_template(source)
-            except jinja2.TemplateError as e:
+            except (jinja2.TemplateError, RecursionError, MemoryError) as e:
                 raise CheckpointError(f"{where}: the chat template is not valid jinja "
-                                      f"({e})") from None
+                                      f"({one_line(e)})") from None
         return self._template
 
     def encode_rendered(self, text):
@@ -252,10 +263,17 @@ def read_chat_template(ckpt_dir, tc):
     return (t, tc_path) if t is not None else (None, None)
 
 
+# what a template may make: a chat template is code from the checkpoint, run in a sandbox (no
+# attribute escapes, range() capped at 100,000) that also bounds what it allocates
+TEMPLATE_MAX_CHARS = 1 << 24  # 16 Mi characters rendered: millions of tokens, past any context
+TEMPLATE_MAX_INT_BITS = 1 << 20  # the largest integer a template may compute by ** (128 KiB)
+WIDE_FORMAT = re.compile(r"\d{8,}")  # a width of 10**7 or more in a format string
+
+
 def compile_template(source):
     """The template in the environment transformers renders it in: a sandbox (templates come from
     the Hub and are untrusted code), trim_blocks and lstrip_blocks, raise_exception, strftime_now,
-    and a tojson that keeps non-ASCII."""
+    and a tojson that keeps non-ASCII; within bounds (bounded_sandbox) on what it may allocate."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -279,9 +297,111 @@ def compile_template(source):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    env = bounded_sandbox(ImmutableSandboxedEnvironment)(trim_blocks=True, lstrip_blocks=True,
+                                                         extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.filters = {name: bounded_filter(f) for name, f in env.filters.items()}
     return env.from_string(source)
+
+
+def bounded_sandbox(base):
+    """A subclass of jinja's sandbox `base` in which a template cannot allocate much past
+    TEMPLATE_MAX_CHARS: repetition (*), concatenation (+), powers (**), %-formatting, calls (an
+    integer argument that large, a format width of 8 digits) and namespace attributes are checked
+    before they run; render() caps the output."""
+    from jinja2.utils import Namespace
+
+    class BoundedNamespace(Namespace):
+        def __setitem__(self, name, value):
+            if isinstance(value, (str, list, tuple, dict)) and len(value) > TEMPLATE_MAX_CHARS:
+                refuse(f"namespace attribute {name!r}")
+            super().__setitem__(name, value)
+
+    class Bounded(base):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.globals["namespace"] = BoundedNamespace
+
+        def call_binop(self, context, operator, left, right):
+            sequences = (str, list, tuple)
+            if operator == "*" and isinstance(right, sequences):
+                left, right = right, left  # n * s: check as s * n
+            if operator == "*" and isinstance(left, sequences) and type(right) is int:
+                if len(left) * right > TEMPLATE_MAX_CHARS:
+                    refuse("a repetition")
+            if operator == "+" and isinstance(left, sequences) and isinstance(right, sequences):
+                if len(left) + len(right) > TEMPLATE_MAX_CHARS:
+                    refuse("a concatenation")
+            if operator == "**" and type(left) is int and type(right) is int:
+                if right * abs(left).bit_length() > TEMPLATE_MAX_INT_BITS:
+                    refuse("a power")
+            if operator == "%" and isinstance(left, str):  # "%*s" % (width, s) too
+                check_arguments(left, right if isinstance(right, tuple) else (right,), {})
+                if WIDE_FORMAT.search(left):
+                    refuse("a format width")
+            return super().call_binop(context, operator, left, right)
+
+        def wrap_str_format(self, value):
+            # "{:>99999999}".format: refused where the sandbox hands out str.format
+            receiver = getattr(value, "__self__", None)
+            if isinstance(receiver, str) and WIDE_FORMAT.search(receiver):
+                refuse("a format width")
+            return super().wrap_str_format(value)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # jinja's own signature
+            check_arguments(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    return Bounded
+
+
+def refuse(what):
+    """Stop a template that is about to make more than it may."""
+    from jinja2.exceptions import SecurityError
+    raise SecurityError(f"{what} would pass {TEMPLATE_MAX_CHARS} characters, the most a chat "
+                        "template may make")
+
+
+def check_arguments(obj, args, kwargs):
+    """A call from a template (of obj: a method, a macro, a filter) with an integer argument past
+    TEMPLATE_MAX_CHARS (a width, a count), or a string or list past it, is refused before it
+    runs."""
+    for value in (*args, *kwargs.values()):
+        if type(value) is int and abs(value) > TEMPLATE_MAX_CHARS:
+            refuse(f"an argument of {value}")
+        if isinstance(value, (str, list, tuple)) and len(value) > TEMPLATE_MAX_CHARS:
+            refuse("an argument")
+
+
+def bounded_filter(f):
+    """A filter whose arguments check_arguments checks first (the format filter's format string
+    too); it keeps jinja's markers (pass_context, ...), which functools.wraps copies."""
+    @functools.wraps(f)
+    def bounded(*args, **kwargs):
+        check_arguments(f, args, kwargs)
+        if f.__name__ == "do_format" and args and isinstance(args[0], str):
+            if WIDE_FORMAT.search(args[0]):
+                refuse("a format width")
+        return f(*args, **kwargs)
+    return bounded
+
+
+def render(template, **context):
+    """template.render(**context), streamed and stopped once past TEMPLATE_MAX_CHARS."""
+    from jinja2.exceptions import SecurityError
+    parts = []
+    n = 0
+    for part in template.generate(**context):
+        n += len(part)
+        if n > TEMPLATE_MAX_CHARS:
+            raise SecurityError(f"the rendered chat is past {TEMPLATE_MAX_CHARS} characters")
+        parts.append(part)
+    return "".join(parts)
+
+
+def one_line(e):
+    return " ".join(str(e).split()) or type(e).__name__

@@ -34,7 +34,7 @@ to the replicas. Every function here is a no-op on a single process (Layout.sing
 can call them unconditionally.
 
 Limits: the ranks of a replica must issue the same collectives in the same order, so a replica runs
-one task at a time (no --concurrency), and an error on one rank leaves the others waiting in a
+one task at a time (no --batch-size above 1), and an error on one rank leaves the others waiting in a
 collective until torchrun stops the job (a rerun resumes). Batch size 1, as everywhere in this
 project.
 """
@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from checkpoint import CheckpointError, checkpoint_files, read_json
+from checkpoint import CheckpointError, checkpoint_files, read_config
 from model import ModelArgs, Transformer, check_complete, expected
 from rope import rope_inv_freq
 
@@ -354,8 +354,8 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
     then each parameter is assigned the slice read by safetensors' get_slice (only those bytes
     leave the file). model.loaded_bytes counts them. With Layout.single() this is the whole model,
     as from_pretrained. rope_override: as Transformer.from_pretrained's."""
-    config_path = os.path.join(ckpt_dir, "config.json")
-    model_args = ModelArgs.from_config(read_json(config_path), config_path)
+    # checked against the weights' headers before anything is built from it
+    model_args = ModelArgs.from_config(*read_config(ckpt_dir))
     if rope_override is not None:
         model_args = model_args.with_rope_override(*rope_override)
     s = Shard.of(model_args, layout.tp, layout.tp_rank, vocab)

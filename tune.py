@@ -21,6 +21,7 @@ stdout is one JSON object: {"recommended", "command", "measured", "why"}.
 """
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -44,17 +45,18 @@ from cli import (
     one_line_errors,
     quantize_mode,
     read_model_args,
-    remove_if_empty,
+    remove_created_offload_dir,
     rope_override,
 )
 from disk import ALIGN, DiskError, round_up
-from kvlayout import kv_bytes_per_token
 from model import Transformer
 from monitor import mem_available
 from offload import OffloadConfig
+from policy import TierPlan, plan_tiers
 from pools import OffloadError
 from quantize import weight_bytes
 from random_model import PRESETS, build_random_checkpoint, parse_model_spec
+from rope import context_refusal
 from taskdir import TaskDirError
 
 CHUNKS = (128, 256, 512, 1024)   # step 1's grid, cut at the context
@@ -66,6 +68,7 @@ TIE = 0.05    # within this of the best measured decode: a tie, broken by the de
 MiB = 2**20
 ROOT = os.path.dirname(os.path.abspath(__file__))
 ALIAS = "alias: python bench.py --tune ... runs python tune.py ..."
+PROMPT_PLACEHOLDER = "PROMPT.txt"  # in the printed command without --prompt-file: yours to replace
 
 
 @dataclass
@@ -78,8 +81,10 @@ class Candidate:
     staging_slots: int = OffloadConfig.staging_slots
     step: int = 1                # the tuning step that made it
     kv: dict = field(default_factory=dict)  # planned KV bytes: device, host, disk
+    tiers: TierPlan = None       # planned chunks per tier (policy.plan_tiers)
     staged: bool = False         # prefetched through staging slots (CUDA, or zstd)
     chunk_bytes: int = 0
+    slot_bytes: int = 0          # a chunk as the tiers allocate it, aligned
     pred_decode: float = None
     pred_prefill: float = None
     pruned: str = None
@@ -108,27 +113,33 @@ def slot(model_args, args, C):
 
 def plan(c, model_args, args, cuda):
     """Fill c.kv and c.staged as offload.TieredStore will allocate them for args.context +
-    args.new_tokens positions of args.dtype and args.kv_dtype."""
+    args.new_tokens positions of args.dtype and args.kv_dtype: the chunks per tier from
+    policy.plan_tiers (as the store sizes its host pool), times the aligned chunk."""
     L = model_args.n_layers
-    n = -(-(args.context + args.new_tokens) // c.chunk_size)
-    slot_b = slot(model_args, args, c.chunk_size)
+    slot_b = c.slot_bytes = slot(model_args, args, c.chunk_size)
     c.chunk_bytes = probe.chunk_bytes(model_args, args, c.chunk_size)
     c.staged = c.offload != "none" and (cuda or c.compress == "zstd")
+    host_slots = None  # --offload cpu: the host tier holds every offloaded chunk
+    if c.offload == "disk":  # a host tier of --cpu-budget in front of the disk
+        host_slots = int((c.cpu_budget or 0) * 2**30) // slot_b
+    tiers = c.tiers = plan_tiers(args.context + args.new_tokens, c.chunk_size, c.window, L,
+                                 c.offload, host_slots)
     if c.offload == "none":
-        c.kv = {"device": L * n * slot_b, "host": 0, "disk": 0}
+        c.kv = {"device": L * tiers.per_layer * slot_b, "host": 0, "disk": 0}
         return c
-    # the last chunk is never sealed, so never offloaded
-    off = L * max(0, n - 1 - c.window) * slot_b
-    if c.offload == "cpu":
-        host = off
-    else:
-        host = min(off, int((c.cpu_budget or 0) * 2**30) // slot_b * slot_b)
     # the pinned bounce buffers between the disk and the device
     bounces = (c.staging_slots + L) * slot_b if cuda and c.offload == "disk" else 0
     staging = c.staging_slots if c.staged else 0
-    c.kv = {"device": (L * (c.window + 1) + staging) * slot_b, "host": host + bounces,
-            "disk": off - host}
+    # the device: the windows' sealed chunks, each layer's open chunk, the staging slots
+    c.kv = {"device": (tiers.device + L + staging) * slot_b,
+            "host": tiers.host * slot_b + bounces, "disk": tiers.disk * slot_b}
     return c
+
+
+def whole_kv(model_args, args, C, cuda):
+    """The KV of the whole context in chunks of C, as the device tier would hold it without
+    offload: the one figure the report gives for it."""
+    return plan(Candidate(C, 0, "none"), model_args, args, cuda).kv["device"]
 
 
 def candidates(model_args, args, cuda):
@@ -308,11 +319,16 @@ def choose(cands, args):
 # report
 
 def command(c, args):
-    """The generate.py command line of a configuration, runnable as printed from this directory."""
+    """The generate.py command line of a configuration, runnable as printed from this directory
+    (once PROMPT.txt holds your prompt, where tune.py was not given --prompt-file)."""
     cmd = ["python", os.path.relpath(os.path.join(ROOT, "generate.py")), "--ckpt", args.ckpt,
+           "--prompt-file", args.prompt_file or PROMPT_PLACEHOLDER,
            "--chunk-size", c.chunk_size, "--offload", c.offload]
     if c.offload != "none":
-        cmd += ["--window", c.window, "--cpu-budget", c.cpu_budget]
+        cmd += ["--window", c.window]
+    budget = budget_gib(c)
+    if budget:
+        cmd += ["--cpu-budget", budget]
     if c.compress != "none":
         cmd += ["--compress", c.compress]
     if c.staged:
@@ -332,6 +348,22 @@ def command(c, args):
         cmd += ["--kv-dtype", args.kv_dtype]
     cmd += ["--max-new-tokens", args.new_tokens]
     return " ".join(shlex.quote(str(x)) for x in cmd)
+
+
+def budget_gib(c):
+    """--cpu-budget for a configuration's command, as short as it can be: the budget it was tuned
+    under, rounded down to the fewest significant digits that still hold the host chunks planned
+    (and measured). None where there is no host tier, or no budget (--offload cpu then holds all
+    it needs)."""
+    if c.offload == "none" or not c.tiers.host or not c.cpu_budget:
+        return None
+    need = c.tiers.host * c.slot_bytes
+    for digits in range(1, 17):
+        scale = 10 ** (digits - 1 - math.floor(math.log10(c.cpu_budget)))
+        text = repr(math.floor(c.cpu_budget * scale) / scale)
+        if float(text) * 2**30 >= need:
+            return text
+    return repr(c.cpu_budget)
 
 
 def mib(n):
@@ -388,7 +420,7 @@ def steps(cands, rec, model_args, args):
     best_by_size = ", ".join(f"{C} {max(v):,.1f} tok/s" if v else f"{C} pruned"
                              for C, v in by_size.items())
     cuda = probe.is_cuda(args.device)
-    whole = plan(Candidate(rec.chunk_size, 0, "none"), model_args, args, cuda).kv["device"] / 2**30
+    whole = whole_kv(model_args, args, rec.chunk_size, cuda) / 2**30
     zstd = [c for c in cands if c.compress == "zstd"]
     same = (rec.chunk_size, rec.window, rec.mode)
     slots = sorted((c.staging_slots, decode_speed(c)) for c in cands
@@ -448,6 +480,10 @@ def build_parser():
                    help="step 1's grid, cut at --context (default %(default)s)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of the configurations within 60%% of the best (default %(default)s)")
+    p.add_argument("--prompt-file", metavar="FILE",
+                   help="the prompt the recommended command runs on, carried into it as given; "
+                   "tune --context to its length in tokens (default: the command names "
+                   f"{PROMPT_PLACEHOLDER}, for you to fill with your prompt)")
     p.add_argument("--random-model", metavar="SPEC",
                    help=f"tune a random model: a preset {sorted(PRESETS)} and/or "
                    "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
@@ -478,6 +514,12 @@ def check(args):
         if not ok:
             raise UsageError(msg)
     args.chunk_sizes = [c for c in sizes if c <= args.context] or [sizes[0]]
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                f.read(1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     args.staging_slots = OffloadConfig.staging_slots
     check_common(args, needs_disk=True)
     if args.random_model:
@@ -507,9 +549,9 @@ def main(argv=None):
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
         if args.context + args.new_tokens > model_args.max_context:
-            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens} "
-                             "is past the model's maximum context of "
-                             f"{model_args.max_context} positions")
+            refusal = context_refusal(args.context + args.new_tokens, model_args)
+            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens}: "
+                             + refusal)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
@@ -528,25 +570,28 @@ def main(argv=None):
         print(f"tune.py: error: {e}", file=sys.stderr)  # ValueError: UsageError too
         return 2
     finally:
-        if getattr(args, "created_offload_dir", False):
-            # as generate.py does: the printed command creates it again
-            remove_if_empty(args.offload_dir)
-    per_token = kv_bytes_per_token(model_args, dtype, args.kv_dtype)
-    kv_total = (args.context + args.new_tokens) * per_token
+        remove_created_offload_dir(args)  # as generate.py does: the printed command makes it again
+    kv_total = whole_kv(model_args, args, rec.chunk_size, probe.is_cuda(args.device))
     n_measured = sum(bool(c.runs) for c in cands)
     n_pruned = sum(bool(c.pruned) for c in cands)
     print(f"{args.ckpt}: {model_args.n_layers} layers x {model_args.n_kv_heads} kv heads x "
           f"{model_args.head_dim}, {args.dtype} on {args.device}, context {args.context} + "
-          f"{args.new_tokens} new: {kv_total / MiB:,.1f} MiB of KV; budgets: device "
+          f"{args.new_tokens} new: {kv_total / MiB:,.1f} MiB of KV in chunks of "
+          f"{rec.chunk_size}; budgets: device "
           f"{args.device_budget * 2**30 / MiB:,.1f} MiB, host {args.cpu_budget * 2**30 / MiB:,.1f} "
           f"MiB; {n_measured} configurations measured, {n_pruned} pruned, in "
           f"{time.perf_counter() - t:.0f}s; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}\n")
     print(table(cands) + "\n")
     print("\n".join(steps(cands, rec, model_args, args)))
     print(f"recommended: {why}\n{command(rec, args)}")
+    if not args.prompt_file:
+        print(f"(put your prompt in {PROMPT_PLACEHOLDER} first, or give tune.py --prompt-file; "
+              f"it was tuned for {args.context} tokens)")
+    budget = budget_gib(rec)  # GiB, as the command says it (None: no host tier)
     rec_cfg = {"chunk_size": rec.chunk_size,
                "window": rec.window if rec.offload != "none" else None,
-               "offload": rec.offload, "compress": rec.compress, "cpu_budget": rec.cpu_budget,
+               "offload": rec.offload, "compress": rec.compress,
+               "cpu_budget": float(budget) if budget else None,
                "staging_slots": rec.staging_slots if rec.staged else None}
     keys = ("decode_tokens_per_s", "prefill_tokens_per_s", "device_kv_bytes", "peak_host_rss_bytes",
             "peak_host_anon_bytes")

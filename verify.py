@@ -38,10 +38,12 @@ from cli import (
     open_kv_store,
     quantize_mode,
     read_model_args,
+    remove_created_offload_dir,
     rope_override,
     run_fingerprint,
     select_fields,
 )
+from monitor import fmt_bytes
 from offload import OffloadConfig
 from pools import OffloadError
 from task import run_task
@@ -119,7 +121,7 @@ def compare(base, other):
     return None
 
 
-def main(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(prog="verify.py", description=__doc__, epilog=ALIAS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     one_line_errors(p)
@@ -127,7 +129,7 @@ def main(argv=None):
     p.add_argument("--prompt-file",
                    help="UTF-8 prompt (default: pages of Python's reference manual)")
     p.add_argument("--max-new-tokens", type=int, default=32,
-                   help="greedy tokens to generate (default 32)")
+                   help="greedy tokens to generate (default %(default)s)")
     p.add_argument("--modes", default="cpu,disk,disk+zstd",
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
@@ -137,7 +139,19 @@ def main(argv=None):
                    "(their decode steps shared) in every mode: each task must be bit-identical to "
                    "itself run alone with --offload none")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return verify(args)
+    finally:
+        remove_created_offload_dir(args)
+
+
+def verify(args):
+    """Every mode against --offload none, then the unchunked model: the exit code."""
     layout = None
     try:
         layout = launch.start(args.tp, args.device)  # under torchrun: each rank verifies its share
@@ -248,16 +262,20 @@ def main(argv=None):
     if args.json:
         unchunked = {"greedy_ids_equal": ref_ok, "top1_agreement": agree,
                      "max_abs_logit_diff": ref_diff}
-        print(json.dumps({"ok": ok, "prompt_tokens": len(ids), "chunk_size": args.chunk_size,
-                          "window": args.window, "kv_dtype": args.kv_dtype,
-                          "select": select_fields(args), "modes": report,
-                          "unchunked": unchunked,
+        print(json.dumps({"ok": ok, "ranks": layout.world, "prompt_tokens": len(ids),
+                          "chunk_size": args.chunk_size, "window": args.window,
+                          "kv_dtype": args.kv_dtype, "select": select_fields(args),
+                          "modes": report, "unchunked": unchunked,
                           "batch": {m: {"identical_to_alone": [d is None for d in diffs],
                                         "most_tasks_per_step": widest}
                                     for m, (diffs, widest) in batched.items()}}))
     else:
+        ranks = ""
+        if layout.world > 1:
+            ranks = (f"; under torchrun: {layout.world} ranks, --tp {layout.tp}, each verifying "
+                     "its own share (rank 0's table below)")
         print(f"prompt {len(ids)} tokens, {args.max_new_tokens} new, chunk {args.chunk_size}, "
-              f"window {args.window}, {args.device} {args.dtype}, KV {args.kv_dtype}")
+              f"window {args.window}, {args.device} {args.dtype}, KV {args.kv_dtype}{ranks}")
         if args.select != "all":
             none = report["none"]
             skipped = none["bytes"]["select_skipped"]
@@ -273,9 +291,9 @@ def main(argv=None):
                 verdict = "reference"
             else:
                 verdict = "bit-identical" if r["bit_identical"] else "DIFFERENT"
+            read = fmt_bytes(b["disk_read"] + b["disk_mapped_read"])
             print(f"{m:<10} {verdict:<20} {c['device']:>5}/{c['host']:>5}/{c['disk']:>5}{'':<5} "
-                  f"{b['disk_read'] + b['disk_mapped_read']:>14} {r['decode_tokens_per_s']:>13.1f} "
-                  f"{r['reused_tokens']:>7}")
+                  f"{read:>14} {r['decode_tokens_per_s']:>13.1f} {r['reused_tokens']:>7}")
         if args.select != "all":
             why = f"(--select {args.select} reads a selection; the unchunked model reads all)"
         elif args.kv_dtype == "int8":
@@ -305,7 +323,8 @@ def main(argv=None):
                 if d:
                     print(f"MISMATCH batch {m} task {i}: step {d[0]} ({d[2]}, position {d[1]}): "
                           f"{d[3]}")
-        print("OK: every mode is bit-identical to --offload none" if ok else "FAILED")
+        everywhere = f" on all {layout.world} ranks" if layout.world > 1 else ""
+        print(f"OK: every mode is bit-identical to --offload none{everywhere}" if ok else "FAILED")
     return 0 if ok else 1
 
 

@@ -28,7 +28,7 @@ from model import Transformer
 from monitor import Monitor
 from offload import OffloadConfig, TieredStore
 from task import run_task
-from taskdir import TaskDir, TaskDirError, safe_task_name
+from taskdir import TaskDir, TaskDirError, manifest_check, safe_task_name
 from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -464,8 +464,9 @@ def foreign_dtype(lm, ids, d):  # as if a bf16 run had left it: the manifest say
     run_kept(lm, ids, d)
     path = d / safe_task_name("t") / "manifest.json"
     m = read_manifest(path)
+    del m["check"]
     m["dtype"] = str(torch.bfloat16)
-    path.write_text(json.dumps(m))
+    path.write_text(json.dumps({**m, "check": manifest_check(m)}))  # vouched for, as a run does
 
 
 @pytest.mark.parametrize("make_foreign,key", [(foreign_fingerprint, "fingerprint"),
@@ -693,10 +694,11 @@ def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, t
 
 # ~100 tokens: chunks reach the disk
 ONE = [{"id": "one", "prompt": TOPICS["else"][:400], "max_new_tokens": 6}]
-STATS_KEYS = {"prefill_s", "prefill_tokens_per_s", "ttft_s", "decode_s", "decoded_tokens",
-              "decode_tokens_per_s", "chunks_read_per_decode_step", "peak_device_bytes",
-              "peak_host_rss_bytes", "peak_host_anon_bytes", "peak_host_file_bytes",
-              "pinned_bytes", "bytes", "io", "chunks", "resumed_from", "kv_dtype"}
+STATS_KEYS = {"prefill_s", "prefill_tokens", "prefill_tokens_per_s", "ttft_s", "decode_s",
+              "decoded_tokens", "decode_tokens_per_s", "chunks_read_per_decode_step",
+              "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes",
+              "peak_host_file_bytes", "pinned_bytes", "bytes", "io", "chunks", "resumed_from",
+              "kv_dtype"}
 
 
 def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):

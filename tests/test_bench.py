@@ -65,7 +65,8 @@ def test_bench_end_to_end_with_transformers(tmp_path):
     assert "| context | mode |" in p.stdout and "| 128 | disk |" in p.stdout
     assert "DynamicCache" in p.stdout
     assert (model_dir / "config.json").exists()
-    assert not any(os.scandir(tmp_path / "kv")), "disk tier files left behind"
+    # no disk tier file left, and the offload dir it made for the run is gone too
+    assert not (tmp_path / "kv").exists(), list(os.scandir(tmp_path / "kv"))
 
 
 def test_probe_predicts_on_cpu(tmp_path):
@@ -156,3 +157,21 @@ def test_fresh_process_runs_each_side_in_its_own_process(tmp_path, monkeypatch, 
     for row in r["results"] + r["hf"]:
         assert row["prefill_tokens_per_s"] > 0 and row["peak_host_anon_bytes"] > 0
     assert r["config"]["fresh_process"] and r["results"][0]["ours_over_hf_prefill"] > 0
+
+
+def test_kv_store_reuse_counts_the_tokens_it_computes(tmp_path, capsys):
+    """bench.py --kv-store: a document on a chunk boundary (64 of chunk 16) and one past it (50);
+    the warm run reuses the document's whole chunks and computes the rest (plain arithmetic), and
+    its time to first token includes reading them."""
+    out = tmp_path / "reuse.json"
+    assert bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
+                       "--contexts", "64,50", "--chunk-size", "16", "--repeats", "1",
+                       "--kv-store", str(tmp_path / "s"), "--offload-dir", str(tmp_path / "off"),
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["reuse"]
+    for row, doc in zip(rows, (64, 50)):
+        reused = doc // 16 * 16
+        assert row["context"] == doc + 32 and row["reused_tokens"] == reused, row
+        assert row["computed_tokens"] == doc + 32 - reused, row
+        assert row["warm_ttft_s"] > 0 and row["store_bytes_read"] > 0, row
+    assert "| computed tokens |" in capsys.readouterr().out

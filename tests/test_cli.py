@@ -15,6 +15,7 @@ import torch
 
 import cli
 import generate
+import probe
 import verify
 from ckpt import edit_config
 from model import Transformer
@@ -61,7 +62,10 @@ def test_generate_json_contract(text_ckpt, tmp_path):
         assert st[key] > 0, key
     assert st["bytes"]["disk_write"] > 0 and st["bytes"]["disk_mapped_read"] > 0
     assert st["chunks"]["disk"] > 0
-    assert "tok/s" in out.stderr
+    # the statistics line counts as the JSON does: 12 new tokens, 11 decode steps
+    assert st["decoded_tokens"] == 11 and st["prefill_tokens"] == r["prompt_tokens"]
+    assert f"prefill {r['prompt_tokens']} tok " in out.stderr, out.stderr
+    assert "new 12 tok, decode 11 tok" in out.stderr, out.stderr
     # the same run without offload generates the same tokens
     plain = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT * 3,
                        "--max-new-tokens", 12, "--chunk-size", 16, "--offload", "none", "--json")
@@ -85,9 +89,36 @@ def test_generate_max_length_caps_prompt_plus_new(text_ckpt):
 
 
 def test_generate_streams_text(text_ckpt):
-    out = run_script("generate.py", "--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5,
-                     "--chunk-size", 8)
-    assert out.stdout.startswith(PROMPT) and len(out.stdout) > len(PROMPT)
+    """stdout is the generated text alone; --echo prints the prompt before it."""
+    argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
+            "--json"]
+    tokens = json.loads(run_script("generate.py", *argv).stdout)["tokens"]
+    text = load_tokenizer(text_ckpt).decode(tokens)
+    plain = run_script("generate.py", *argv[:-1]).stdout
+    assert plain == text + "\n", (plain, text)
+    echo = run_script("generate.py", *argv[:-1], "--echo").stdout
+    assert echo == PROMPT + text + "\n", (echo, text)
+
+
+def test_help_is_grouped_and_opens_with_what_it_does():
+    """--help: one line a user needs first, then the flags under their headings, each flag once,
+    every one with its help."""
+    help_text = run_script("generate.py", "--help").stdout
+    lines = help_text.splitlines()
+    assert lines[0].startswith("usage: generate.py") and lines[2].startswith("Generate text"), lines
+    headings = [line[:-1] for line in lines if line and not line[0].isspace() and line[-1] == ":"]
+    assert headings == ["options", *cli.HELP_GROUPS, "example"], headings
+    p = cli.build_parser()
+    flags = [a for a in p._actions if a.dest != "help"]
+    grouped = [d for dests in cli.HELP_GROUPS.values() for d in dests]
+    assert len(grouped) == len(set(grouped)) and {a.dest for a in flags} <= set(grouped)
+    listed = [line.split()[0] for line in lines if line.startswith("  --")]
+    assert sorted(listed) == sorted(a.option_strings[0] for a in flags)  # each flag listed once
+    assert all(a.help for a in flags)
+    for dest in ("chunk_size", "window", "offload", "max_new_tokens"):
+        action = next(a for a in flags if a.dest == dest)  # the defaults said are the ones used
+        assert f"default {cli.CKPT_DEFAULTS[dest]}; {cli.DEMO_DEFAULTS[dest]} in the demo" in (
+            action.help), action.help
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
@@ -147,7 +178,8 @@ def test_offload_that_never_takes_effect_is_said_once(text_ckpt, tmp_path, capsy
                                   "--max-new-tokens", 3, "--json"], capsys)
     assert rc == 0
     lines = [line for line in err.splitlines() if "nothing left the device" in line]
-    assert len(lines) == 1 and "--window" in lines[0] and "chunks" in lines[0], err
+    # per layer, not the total over the 2 layers
+    assert len(lines) == 1 and "--window" in lines[0] and "(1 chunk per layer" in lines[0], err
     rc, _, err = main_in_process(["--ckpt", text_ckpt, "--prompt", TEXT * 3, "--offload", "disk",
                                   "--offload-dir", tmp_path, "--chunk-size", 8, "--window", 1,
                                   "--max-new-tokens", 3, "--json"], capsys)
@@ -181,6 +213,41 @@ def test_default_offload_dir_is_in_help_and_not_left_behind(text_ckpt, tmp_path)
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert not (tmp_path / "kv_cache_offload").exists(), os.listdir(tmp_path / "kv_cache_offload")
+
+
+def test_no_empty_offload_dir_is_left_behind_on_any_exit(text_ckpt, tmp_path, monkeypatch,
+                                                         capsys):
+    """./kv_cache_offload, made by a run that writes the disk, is gone when the run ends (verify.py
+    passing, probe.py refusing a context), or never made (generate.py refusing an unreadable
+    --prompt-file, or a --tp that the torchrun world does not divide, before any process group);
+    one that was there before the run stays."""
+    monkeypatch.chdir(tmp_path)
+    default = tmp_path / "kv_cache_offload"
+    existed = []  # whether the directory was there when each run cleaned up
+
+    def spy(args):
+        existed.append(os.path.isdir(args.offload_dir))
+        real(args)
+    real = cli.remove_created_offload_dir
+    for module in (cli, verify, probe):
+        monkeypatch.setattr(module, "remove_created_offload_dir", spy)
+    assert verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", "8", "--window",
+                        "1", "--max-new-tokens", "2", "--max-prompt-tokens", "40"]) == 0
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--prompt-file",
+                                  tmp_path / "missing.txt"], capsys)
+    assert rc == 2 and "--prompt-file" in err, err
+    assert probe.main(["--ckpt", text_ckpt, "--contexts", "99999"]) == 2
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--tp", 2], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--tp 2 does not divide the 3 ranks" in err and not torch.distributed.is_initialized()
+    assert existed == [True, False, True, False] and not default.exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    default.mkdir()  # the user's own: kept
+    rc, _, _ = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--prompt-file",
+                                tmp_path / "missing.txt"], capsys)
+    assert rc == 2 and default.is_dir()
 
 
 # -----------------------------------------------------------------------------

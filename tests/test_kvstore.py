@@ -406,6 +406,12 @@ def test_second_question_reuses_the_document_bit_identically(llama_ckpt, tmp_pat
     assert warm["reused_tokens"] == len(doc) // 8 * 8 and warm["store_bytes_read"] > 0
     assert warm_ids == cold_ids
     assert min(warm_steps) > warm["reused_tokens"], "an adopted chunk was computed again"
+    # the prefill rate counts the tokens computed, not the reused ones
+    computed = len(doc) + len(q2) - warm["reused_tokens"]
+    assert first["prefill_tokens"] == len(doc) + len(q1) and warm["prefill_tokens"] == computed
+    # (prefill_s is rounded to 0.1 ms; counting every prompt token would be several times more)
+    assert warm["prefill_tokens_per_s"] == pytest.approx(computed / warm["prefill_s"], rel=0.1)
+    assert warm["ttft_s"] >= warm["store_read_s"] > 0
     for pos, logits in warm_steps.items():
         assert torch.equal(logits, cold_steps[pos]), pos
 

@@ -4,6 +4,7 @@ naming it, run with it (one line on stderr says which scaling is in force), reco
 result's config, and never mixed with KV made under another RoPE setting, neither by resume nor by
 the KV store.
 """
+import importlib
 import json
 import shutil
 
@@ -33,6 +34,18 @@ def test_long_prompt_refused_without_the_override(short_ckpt, capsys):
     assert rc == 2 and len(lines) == 1 and out == "", err
     assert "--rope-scaling" in lines[0] and "--rope-factor" in lines[0], lines[0]
     assert "not guaranteed" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("script", ["bench", "probe", "tune"])
+def test_measuring_past_the_context_names_the_override(short_ckpt, tmp_path, capsys, script):
+    """bench.py, probe.py and tune.py refuse a context past the model's as generate.py does: one
+    sentence that names --rope-scaling."""
+    module = importlib.import_module(script)
+    flag = "--context" if script == "tune" else "--contexts"
+    argv = ["--ckpt", short_ckpt, flag, "200", "--offload-dir", str(tmp_path / "off")]
+    assert module.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--rope-scaling" in lines[0] and f"{flag} 200" in lines[0], lines
 
 
 @pytest.mark.parametrize("kind", ["linear", "yarn", "llama3"])

@@ -26,11 +26,14 @@ TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidde
 def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
     dev_gib = 0.0003  # 0.3 MiB of device KV: less than the 0.5 MiB the whole KV takes
     cpu_gib = 0.0004
+    prompt = tmp_path / "doc.txt"
+    prompt.write_text("The with statement wraps a block. " * 14)  # ~480 of the 512 tuned for
     t = time.perf_counter()
     p = subprocess.run([sys.executable, "bench.py", "--tune", "--random-model", "tiny",
                         "--ckpt", tmp_path / "m", "--context", "512", "--new-tokens", "8",
                         "--device", "cpu", "--threads", "1", "--device-budget", str(dev_gib),
-                        "--cpu-budget", str(cpu_gib), "--offload-dir", tmp_path / "kv"],
+                        "--cpu-budget", str(cpu_gib), "--offload-dir", tmp_path / "kv",
+                        "--prompt-file", prompt],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     took = time.perf_counter() - t
     assert p.returncode == 0, p.stderr
@@ -52,6 +55,14 @@ def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
     assert m["kv_bytes_planned"]["host"] <= cpu_gib * 2**30
     assert m["decode_tokens_per_s"] >= 0.95 * m["fastest_decode_tokens_per_s"], last["why"]
     assert "| step | chunk | window | tier |" in p.stdout
+    # one figure for the whole KV: the header's and step 2's
+    whole = p.stdout.split(" MiB of KV in chunks of")[0].rsplit(" ", 1)[1]
+    assert f"the whole KV ({whole} MiB)" in p.stdout, p.stdout
+    # the command carries the prompt and a short budget
+    assert f"--prompt-file {prompt}" in last["command"], last["command"]
+    if rec["cpu_budget"] is not None:
+        assert f"--cpu-budget {rec['cpu_budget']!r}" in last["command"]
+        assert len(repr(rec["cpu_budget"])) <= 8 and rec["cpu_budget"] <= cpu_gib, rec
     assert "1. chunk size" in p.stdout and "4. prefetch" in p.stdout
     # the command runs as printed, with the python on PATH being this one
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -98,6 +109,29 @@ def test_candidates_respect_the_budgets_and_the_tier_order(cuda):
     assert {c.offload for c in roomy} == {"none"}
 
 
+@pytest.mark.parametrize("offload, window, budget_chunks",
+                         [("cpu", 1, 100.37), ("disk", 1, 3.37), ("disk", 0, 0.5)])
+def test_command_budget_is_short_and_keeps_the_planned_host_tier(offload, window, budget_chunks):
+    """The printed --cpu-budget is the budget tuned under, rounded down to a few digits, and still
+    holds every host chunk planned (plain arithmetic: --context 2048 + 16 in chunks of 128, 2
+    layers); without --prompt-file the command names a placeholder."""
+    args = plan_args(ckpt="m", offload_dir="kv", device="cpu", quantize="none", rope_scaling=None,
+                     rope_orig_ctx=None, threads=None, prompt_file=None)
+    slot = 2 * TINY.n_kv_heads * 128 * TINY.head_dim * 4  # K and V, fp32: 32 KiB, page aligned
+    offloaded = 2 * (-(-(2048 + 16) // 128) - 1 - window)
+    budget = budget_chunks * slot / 2**30 + 1e-12
+    c = tune.plan(tune.Candidate(128, window, offload, cpu_budget=budget), TINY, args, False)
+    want = offloaded if offload == "cpu" else int(budget_chunks)
+    assert c.tiers.host == want
+    cmd = tune.command(c, args)
+    assert "--prompt-file PROMPT.txt" in cmd, cmd
+    if want == 0:
+        assert "--cpu-budget" not in cmd, cmd
+        return
+    text = cmd.split("--cpu-budget ")[1].split()[0]
+    assert len(text) <= 8 and want * slot <= float(text) * 2**30 <= budget * 2**30, text
+
+
 def test_tune_refuses_what_it_picks(capsys):
     assert tune.main(["--chunk-size", "64", "--random-model", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
@@ -120,7 +154,7 @@ def test_diagnose_finds_nothing_in_a_sound_configuration(capsys, llama_ckpt, tmp
                               "--offload-dir", tmp_path / "kv", "--chunk-size", 16, "--window", 2,
                               "--context", 256)
     assert rc == 0 and not found, out
-    assert any(line.startswith("ok     bytes moving") for line in out), out
+    assert any(line.startswith("ok     no bytes moving: not found") for line in out), out
     assert any("bit-identical" in line for line in out), out
 
 
@@ -130,7 +164,7 @@ def test_diagnose_finds_an_unwritable_directory(capsys, llama_ckpt, tmp_path):
                               "--offload-dir", tmp_path / "a_file" / "kv", "--chunk-size", 16,
                               "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir writable") and "--offload-dir" in line
+    assert any(line.startswith("FOUND  offload dir not writable") and "--offload-dir" in line
                for line in found), out
 
 
@@ -177,7 +211,7 @@ def test_diagnose_finds_a_disk_tier_on_tmpfs(capsys, llama_ckpt, tmp_path, monke
     rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--offload-dir", f"{ram}/kv",
                               "--chunk-size", 16, "--window", 2, "--context", 256)
     assert rc == 1
-    assert any(line.startswith("FOUND  offload dir on a disk") and "tmpfs" in line
+    assert any(line.startswith("FOUND  offload dir in RAM") and "tmpfs" in line
                for line in found), out
 
 
@@ -191,5 +225,5 @@ def test_diagnose_names_a_mismatch_and_its_likely_cause(capsys, llama_ckpt, monk
                               "--window", 2, "--context", 256)
     assert rc == 1
     line = next(line for line in found
-                if line.startswith("FOUND  same output with offload on and off"))
+                if line.startswith("FOUND  different output with offload on and off"))
     assert "position 63" in line and "chunk boundary" in line, line

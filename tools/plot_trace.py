@@ -21,7 +21,10 @@ def load(path):
             except ValueError:
                 print(f"{path} line {n}: not JSON; skipped", file=sys.stderr)
                 continue
-            (alerts if "alert" in e else steps[e["task"]]).append(e)
+            if "alert" in e:
+                alerts.append(e)
+            elif "task" in e:  # a step; a run's {"run_start"} event is not drawn
+                steps[e["task"]].append(e)
     return steps, alerts
 
 
@@ -35,6 +38,7 @@ def main(argv=None):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
     except ImportError:
         print("plot_trace.py: error: matplotlib is not installed; pip install matplotlib",
               file=sys.stderr)
@@ -50,23 +54,38 @@ def main(argv=None):
     t0 = min(e["t"] for events in steps.values() for e in events)
     mib = 1 / 2**20
     fig, (ax_dev, ax_host, ax_io) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    for task, events in sorted(steps.items()):
+    # a task keeps one colour in every panel; a line style says which quantity it is
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    host_styles = {"host_rss": "-", "host_anon": "--"}
+    io_styles = {"d2h": "-", "h2d": ":", "disk_write": "-.", "disk_read": "--",
+                 "disk_mapped_read": (0, (6, 2, 1, 2, 1, 2))}
+    tasks = sorted(steps)
+    for i, task in enumerate(tasks):
+        events = steps[task]
+        colour = colours[i % len(colours)]
         t = [e["t"] - t0 for e in events]
-        ax_dev.plot(t, [e["device_allocated"] * mib for e in events], label=f"task {task}")
-        ax_host.plot(t, [e["host_rss"] * mib for e in events], label=f"rss, task {task}")
-        ax_host.plot(t, [e["host_anon"] * mib for e in events], "--", label=f"anon, task {task}")
-        for key, style in (("d2h", "-"), ("h2d", ":"), ("disk_write", "-."), ("disk_read", "--")):
-            moved = [e["bytes"][key] * mib for e in events]
-            ax_io.plot(t, moved, style, label=f"{key}, task {task}")
+        ax_dev.plot(t, [e["device_allocated"] * mib for e in events], color=colour)
+        for key, style in host_styles.items():
+            ax_host.plot(t, [e[key] * mib for e in events], linestyle=style, color=colour)
+        for key, style in io_styles.items():
+            ax_io.plot(t, [e["bytes"].get(key, 0) * mib for e in events], linestyle=style,
+                       color=colour)
     for a in alerts:
         for ax in (ax_dev, ax_host, ax_io):
             ax.axvline(a["t"] - t0, color="red", alpha=0.4)
+    # short legends: the tasks once (colours), each panel's quantities once (styles)
+    ax_dev.legend([Line2D([], [], color=colours[i % len(colours)]) for i in range(len(tasks))],
+                  [f"task {task}" for task in tasks], fontsize=7, loc="upper left")
+    for ax, styles, names in ((ax_host, host_styles, ("rss", "anon")),
+                              (ax_io, io_styles, ("d2h", "h2d", "disk write", "disk read",
+                                                  "read in place"))):
+        ax.legend([Line2D([], [], linestyle=style, color="gray") for style in styles.values()],
+                  names, fontsize=7, loc="best", ncol=len(names))
     ax_dev.set_ylabel("device MiB\n(KV on the device)")
     ax_host.set_ylabel("host MiB")
     ax_io.set_ylabel("MiB moved\nper step")
     ax_io.set_xlabel("seconds")
     for ax in (ax_dev, ax_host, ax_io):
-        ax.legend(fontsize=7, loc="upper left")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{args.trace}: {len(steps)} task(s), {len(alerts)} alert(s)")
     fig.tight_layout()
