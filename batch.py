@@ -1,9 +1,9 @@
 r"""
-Batch mode: many prompts from a JSONL file, run concurrently, each task with its own cache and
-directory.
+Batch mode: many prompts from a JSONL file, --batch-size of them in flight at once, each task with
+its own cache and directory, their decode steps run as one forward pass (batcher.py).
 
     python generate.py --ckpt DIR --prompts tasks.jsonl --output results.jsonl \
-        --concurrency 2 --offload disk
+        --batch-size 4 --offload disk
 
 Built to be killed: a result line is written whole (one write, then fsync) or not at all; a rerun of
 the same command skips ids already in the output and resumes unfinished tasks from their disk tier
@@ -191,15 +191,15 @@ class Results:
         os.close(self.fd)
 
 
-def run_batch(args, cfg, monitor, run_one, layout=None):
+def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
     """Run every task not yet in the output; returns the exit code (0 only if every task
     succeeded). Under torchrun (layout) each replica runs its share of the tasks (launch.my_tasks)
     and its leader appends their results."""
     layout = layout or Layout.single()
     log = monitor.log
     started = time.perf_counter()
-    if layout.tp > 1 and args.concurrency > 1:
-        raise ValueError("--concurrency above 1 is not combined with --tp above 1 (the ranks of a "
+    if layout.tp > 1 and args.batch_size > 1:
+        raise ValueError("--batch-size above 1 is not combined with --tp above 1 (the ranks of a "
                          "replica step together); run more replicas instead: a smaller --tp")
     tasks, errors = read_tasks(args.prompts)
     for e in errors:
@@ -228,11 +228,15 @@ def run_batch(args, cfg, monitor, run_one, layout=None):
             monitor.task_finished(task["id"], error=one_line(e))
             log(f"task {task['id']}: FAILED: {one_line(e)}")
 
-    with ThreadPoolExecutor(max(1, args.concurrency), thread_name_prefix="task") as pool:
+    # --batch-size tasks in flight, a thread each; their forward passes meet in the batcher
+    with ThreadPoolExecutor(args.batch_size, thread_name_prefix="task") as pool:
         futures = [pool.submit(one, task) for task in todo]
         for future in futures:
             future.result()  # a failure that stops the replica (tensor parallel) is raised here
     results.close()
+    if batcher is not None:  # how many decode steps the tasks in flight shared
+        monitor.totals["batched_steps"] = batcher.steps
+        monitor.totals["batched_rows"] = batcher.rows
     for e in errors:
         monitor.totals["failed"].append(("input", e))
     monitor.totals["wall_s"] = time.perf_counter() - started

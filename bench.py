@@ -53,6 +53,8 @@ from cli import (
     select_fields,
 )
 from disk import DiskError
+from generate import decode_batch, prefill
+from kvcache import make_cache
 from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
@@ -111,6 +113,90 @@ def load_hf(ckpt, device, dtype):
     transformers.utils.logging.disable_progress_bar()
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return transformers.AutoModelForCausalLM.from_pretrained(ckpt, **{key: dtype}).to(device).eval()
+
+
+# -----------------------------------------------------------------------------
+# batched decode: N tasks' decode steps as one forward pass, beside transformers' [N, 1] steps
+
+def run_batches(model, hf, args, ctx):
+    """{(who, N): aggregate decode tokens/s}: N prompts of ctx tokens are prefilled (untimed), then
+    --new-tokens decode steps are timed, ours as generate.decode_batch over N caches (--offload
+    none), transformers' as one [N, 1] forward per step over one DynamicCache. Every N and both
+    sides interleaved, --repeats times; medians."""
+    g = torch.Generator().manual_seed(0)
+    sizes = args.batch_sizes
+    prompts = [torch.randint(3, model.args.vocab_size, (1, ctx), generator=g)
+               for _ in range(max(sizes))]
+    rates = {}
+    for _ in range(args.repeats):
+        for n in sizes:
+            rates.setdefault(("ours", n), []).append(ours_batch(model, prompts[:n], args))
+            if hf is not None:
+                rates.setdefault(("hf", n), []).append(hf_batch(hf, prompts[:n], args))
+    return {key: statistics.median(r) for key, r in rates.items()}
+
+
+@torch.inference_mode()
+def ours_batch(model, prompts, args):
+    device = model.tok_embeddings.weight.device
+    length = prompts[0].shape[1] + args.new_tokens + 1
+    caches = [make_cache(model, OffloadConfig(), args.chunk_size, length, kv_dtype=args.kv_dtype)
+              for _ in prompts]
+    try:
+        logits = torch.cat([prefill(model, c, p.to(device)) for c, p in zip(caches, prompts)])
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.new_tokens):
+            logits, _ = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
+        sync(device)
+        return len(prompts) * args.new_tokens / (time.perf_counter() - start)
+    finally:
+        for c in caches:
+            c.store.close()
+
+
+@torch.inference_mode()
+def hf_batch(hf, prompts, args):
+    import inspect
+
+    import transformers
+    device = next(hf.parameters()).device
+    cache = transformers.DynamicCache(config=hf.config)
+    params = inspect.signature(hf.forward).parameters
+    kw = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    ids = torch.cat(prompts).to(device)                            # [N, ctx]
+    out = hf(input_ids=ids, logits_to_keep=1, **kw)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)             # [N, 1]
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(args.new_tokens):
+        out = hf(input_ids=token, **kw)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+    sync(device)
+    return len(prompts) * args.new_tokens / (time.perf_counter() - start)
+
+
+def sync(device):
+    if is_cuda(device):
+        torch.cuda.synchronize(device)
+
+
+def batch_table(rates, sizes):
+    """Markdown: aggregate decode tokens/s per batch size, ours and transformers'."""
+    lines = ["| batch | ours tok/s | vs batch 1 | transformers tok/s | vs batch 1 "
+             "| ours / theirs |",
+             "|---|---|---|---|---|---|"]
+    for n in sizes:
+        ours = rates[("ours", n)]
+        row = f"| {n} | {ours:,.1f} | {ours / rates[('ours', sizes[0])]:.2f}x |"
+        theirs = rates.get(("hf", n))
+        if theirs:
+            row += (f" {theirs:,.1f} | {theirs / rates[('hf', sizes[0])]:.2f}x | "
+                    f"{ours / theirs:.2f} |")
+        else:
+            row += " - | - | - |"
+        lines.append(row)
+    return "\n".join(lines)
 
 
 @torch.inference_mode()
@@ -379,6 +465,11 @@ def build_parser():
                    "its own, cold (default: all in this process, after a warm-up)")
     # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
     p.add_argument("--child-run", help=argparse.SUPPRESS)
+    p.add_argument("--batch-sizes", type=lambda s: [int(n) for n in s.split(",")],
+                   metavar="N,N,...",
+                   help="measure batched decode instead: aggregate decode tok/s of N tasks "
+                   "decoding together at the first --contexts, for each N (with --vs-hf beside "
+                   "transformers decoding [N, 1] per step), e.g. 1,4,8,16")
     p.add_argument("--visit-cost", action="store_true",
                    help="measure the fixed cost of one chunk visit (decode at the largest "
                    "--contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
@@ -392,6 +483,8 @@ def check(args):
     """Every flag, before any heavy work. Returns (contexts, modes)."""
     if args.new_tokens < 2 or args.repeats < 1:
         raise UsageError("--new-tokens must be >= 2 and --repeats >= 1")
+    if args.batch_sizes is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
+        raise UsageError("--batch-sizes takes batch sizes >= 1, e.g. 1,4,8,16")
     contexts, modes = check_measure(args, "bench")
     needed = {"--vs-hf": ("transformers", args.vs_hf),
               "--modes disk+zstd": ("zstandard", "disk+zstd" in modes)}
@@ -433,7 +526,15 @@ def main(argv=None):
         machine = probe.environment(args.device)
         cuda = is_cuda(args.device)
         config = probe.describe(args, model_args, contexts, modes)
-        if args.visit_cost:  # the fixed cost of a chunk visit (on CUDA its kernels): a median
+        if args.batch_sizes:
+            rates = run_batches(model, hf, args, contexts[0])
+            print(f"{args.ckpt} {config['model']}, {args.dtype}, {contexts[0]}-token prompts, "
+                  f"{args.new_tokens} decode steps timed, median of {args.repeats}; "
+                  f"{machine['date']}, {machine['torch_threads']} threads, load "
+                  f"{machine['loadavg']}\n\n{batch_table(rates, args.batch_sizes)}")
+            per_size = {f"{who}_{n}": r for (who, n), r in rates.items()}
+            report = {"machine": machine, "config": config, "batch_decode_tokens_per_s": per_size}
+        elif args.visit_cost:  # the fixed cost of a chunk visit (on CUDA its kernels): a median
             ctx = max(contexts)
             cost = statistics.median(probe.visit_cost_s(model, ctx) for _ in range(args.repeats))
             kernels = probe.kernels_per_visit(model, ctx) if cuda else None

@@ -22,6 +22,7 @@ import torch
 import launch
 import taskdir
 from batch import run_batch
+from batcher import Batcher
 from checkpoint import CheckpointError, read_config
 from generate import SEED_LIMIT, Sampling
 from kvlayout import KV_DTYPES
@@ -54,6 +55,7 @@ MODE_SPECS = {
     "disk+zstd": ("disk", "zstd"),
 }
 DEFAULT_OFFLOAD_DIR = "./kv_cache_offload"
+DEFAULT_BATCH_SIZE = 4  # --prompts: tasks in flight, their decode steps batched
 CKPT_HELP = "Hugging Face checkpoint directory (default: the demo model in assets/)"
 # generate.py's defaults that differ between the demo (no --ckpt) and a checkpoint of your own
 DEMO_DEFAULTS = {"chunk_size": 16, "window": 1, "offload": "disk", "max_new_tokens": 64,
@@ -78,7 +80,7 @@ HELP_GROUPS = {
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
                 "select_budget", "select_dense"),
-    "batch (with --prompts)": ("prompts", "output", "concurrency", "keep_cache",
+    "batch (with --prompts)": ("prompts", "output", "batch_size", "keep_cache",
                                "fallback_cpu_budget", "fallback_context"),
     "parallel (under torchrun)": ("tp",),
     "output": ("echo", "json", "trace"),
@@ -421,8 +423,12 @@ def build_parser():
     b = p.add_argument_group("batch (with --prompts)")
     b.add_argument("--output",
                    help="RESULTS.jsonl: one line per finished task; ids already there are skipped")
-    b.add_argument("--concurrency", type=int, default=1,
-                   help="tasks run at once (default %(default)s)")
+    b.add_argument("--batch-size", "--concurrency", dest="batch_size", type=int, metavar="N",
+                   help=f"tasks in flight at once; their decode steps run as one forward pass, "
+                   f"each task's output unchanged (default {DEFAULT_BATCH_SIZE}; 1: one task at a "
+                   "time). Each task in flight holds its own cache: N tasks hold N times one "
+                   "task's device window and host pool. --concurrency is the same flag, kept "
+                   "from before batching")
     b.add_argument("--keep-cache", action="store_true",
                    help="keep a task's directory after it succeeds")
     b.add_argument("--fallback-cpu-budget", type=float,
@@ -464,8 +470,10 @@ def resolve(args):
          "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts,
          "--output is for batch mode; add --prompts TASKS.jsonl"),
-        (args.concurrency >= 1,
-         f"--concurrency must be >= 1, got {args.concurrency}"),
+        (args.batch_size is None or args.batch_size >= 1,
+         f"--batch-size must be >= 1, got {args.batch_size}"),
+        (args.batch_size is None or args.prompts,
+         "--batch-size goes with --prompts TASKS.jsonl (a single --prompt is one task)"),
         (args.fallback_context is None or args.fallback_context > 0,
          "--fallback-context must be >= 1"),
         (args.fallback_cpu_budget is None
@@ -559,6 +567,11 @@ def generate_main(args):
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))
+        # a batch's tasks in flight share the model's forward passes (batcher.py); the ranks of a
+        # tensor-parallel replica step together, one task at a time
+        if args.batch_size is None:
+            args.batch_size = DEFAULT_BATCH_SIZE if args.prompts and layout.tp == 1 else 1
+        batcher = Batcher(model) if args.batch_size > 1 else None
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
         # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting
@@ -599,7 +612,7 @@ def generate_main(args):
                               sampling=sampling, eos_ids=tokenizer.eos_ids, task_id=task["id"],
                               on_token=on_token, on_step=on_step, fingerprint=fingerprint,
                               log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
-                              layout=layout)
+                              layout=layout, batcher=batcher)
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
         if cfg.mode != "none":
@@ -623,7 +636,7 @@ def generate_main(args):
     try:
         if args.prompts:
             try:
-                rc = run_batch(args, cfg, monitor, run_one, layout)
+                rc = run_batch(args, cfg, monitor, run_one, layout, batcher)
             except ValueError as e:
                 log(f"generate.py: error: {e}")
                 return 2

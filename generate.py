@@ -38,15 +38,17 @@ def forward(model, cache, tokens, decode=False):
     return logits[:, -1]
 
 
-def prefill(model, cache, ids, on_step=None):
+def prefill(model, cache, ids, on_step=None, step=None):
     """Feed ids [B, T] at most chunk_size tokens at a time, aligned to chunk boundaries, so the
     activations of a long prompt never exist at once. Returns the logits [B, V] of the last
-    position. on_step(phase, logits, cache) runs after every step, here and in generate()."""
+    position. on_step(phase, logits, cache) runs after every step, here and in generate(). step:
+    what runs a step (default forward; a batch's tasks run theirs through batcher.Batcher)."""
+    step = step or forward
     t = 0
     C = cache.chunk_size
     while t < ids.shape[1]:
         n = min(C - cache.length % C, ids.shape[1] - t)
-        logits = forward(model, cache, ids[:, t:t + n])
+        logits = step(model, cache, ids[:, t:t + n])
         t += n
         trim_heap()
         if on_step:
@@ -63,9 +65,32 @@ def trim_heap():
         _MALLOC_TRIM(0)
 
 
-def decode_one_token(model, cache, token):
+def decode_one_token(model, cache, token, step=None):
     """token [B, 1] -> logits [B, V] of the next position."""
-    return forward(model, cache, token, decode=True)
+    step = step or forward
+    return step(model, cache, token, decode=True)
+
+
+@torch.inference_mode()
+def decode_batch(model, caches, tokens):
+    """A decode step of N tasks at once: tokens [N, 1], row i the next token of the task whose
+    cache is caches[i] -> logits [N, V]. The embedding, the norms and every linear see N rows, so
+    each weight is read once for N tokens (rowwise.py keeps every row's bits its own); attention
+    runs per task, over that task's chunks. Row i's logits are the bits decode_one_token gives
+    task i alone. A task whose store fails as its chunk seals is reported, not raised:
+    returns (logits [N, V], {i: the exception})."""
+    for cache in caches:
+        cache.begin(1, decode=True)
+        cache.store.prefetch(cache.reads())
+    logits = model(tokens, caches, last_only=True)
+    failed = {}
+    for i, cache in enumerate(caches):
+        if cache.commit():
+            try:
+                cache.store.seal(cache.n_sealed - 1)
+            except Exception as e:  # this task's tiers; the others' steps are done and stand
+                failed[i] = e
+    return logits[:, -1], failed
 
 
 # |seed| below this keeps seed * 1_000_003 + position (sample's generator seed) inside the 64-bit
@@ -101,21 +126,22 @@ def sample(logits, s, position):
 
 
 def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(),
-             on_token=None, on_step=None, replay=(), share=None):
+             on_token=None, on_step=None, replay=(), share=None, step=None):
     """prompt_ids [1, P] -> list of new token ids. Stops at an EOS id or after max_new_tokens.
 
     Resuming: the cache may already hold positions [0, cache.length) restored from disk, and
     `replay` the tokens generated before the interruption. Positions past the restored ones are
     recomputed with the first run's schedule (prompt positions a chunk at a time, generated ones one
-    at a time), so the output is bit-identical."""
+    at a time), so the output is bit-identical. step: what runs each forward step (see prefill)."""
     P = prompt_ids.shape[1]
     out = list(replay)
     logits = None
     if cache.length < P:
-        logits = prefill(model, cache, prompt_ids[:, cache.length:], on_step)
+        logits = prefill(model, cache, prompt_ids[:, cache.length:], on_step, step)
     # replay the generated tokens not restored
     for pos in range(max(cache.length, P), P + len(out)):
-        logits = decode_one_token(model, cache, prompt_ids.new_tensor([[out[pos - P]]]))
+        token = prompt_ids.new_tensor([[out[pos - P]]])
+        logits = decode_one_token(model, cache, token, step)
     while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
         if share:  # tensor parallel: every rank continues with rank 0's token (tp.broadcast_token)
@@ -125,7 +151,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
             on_token(out)
         if out[-1] in eos_ids or len(out) == max_new_tokens:
             break
-        logits = decode_one_token(model, cache, token)
+        logits = decode_one_token(model, cache, token, step)
         if on_step:
             on_step("decode", logits, cache)
     return out

@@ -219,7 +219,8 @@ class KVCache:
         self.first = []                     # per layer: the step's first visible sealed chunk
         self.visits = []                    # per layer: the sealed chunks it reads (None: not yet)
         self.queued = 0                     # layers whose reads the store has been given
-        self.skipped = {"window_skipped": 0, "select_skipped": 0, "kv_read": 0}  # this step's
+        self.step_bytes = {}                # this step's counts, handed to the store at commit
+        self.step_chunks = 0                # sealed chunks this step read
         self.decode_steps = 0               # decode steps, and the sealed chunks they read
         self.decode_chunks = 0
 
@@ -241,6 +242,9 @@ class KVCache:
                              f"{self.length + T} is past it")
         self.T = T
         self.decoding = decode
+        # counted afresh: a step that failed half-way and runs again is counted once
+        self.step_bytes = {"window_skipped": 0, "select_skipped": 0, "kv_read": 0}
+        self.step_chunks = 0
         n = self.n_sealed
         self.first = [first_visible_chunk(w, self.length, self.chunk_size) for w in self.windows]
         selection = self.selection if decode else EXACT
@@ -323,22 +327,23 @@ class KVCache:
     def count(self, layer, first, n, read):
         """What this layer's attention reads of the n sealed chunks, and what it skips."""
         chunk = self.store.chunk_bytes
-        self.skipped["window_skipped"] += min(first, n) * chunk
-        self.skipped["select_skipped"] += (n - first - read) * chunk
-        self.skipped["kv_read"] += read * chunk
-        if self.decoding:
-            self.decode_chunks += read
+        self.step_bytes["window_skipped"] += min(first, n) * chunk
+        self.step_bytes["select_skipped"] += (n - first - read) * chunk
+        self.step_bytes["kv_read"] += read * chunk
+        self.step_chunks += read
 
     def commit(self):
         """The step's positions are written on every layer: advance. True when the open chunk is now
         full and must be sealed (the caller does that, visibly: it moves data); its keys are
         summarised for the selection first, while it is still the open chunk."""
         self.length += self.T
-        self.decode_steps += self.decoding
         self.T = 0
-        for key, nbytes in self.skipped.items():
+        if self.decoding:
+            self.decode_steps += 1
+            self.decode_chunks += self.step_chunks
+        for key, nbytes in self.step_bytes.items():
             self.store.count(key, nbytes)
-            self.skipped[key] = 0
+        self.step_bytes = {}
         full = self.length % self.chunk_size == 0
         if full and self.selection.summarizes:
             for layer in range(self.store.n_layers):

@@ -108,7 +108,8 @@ def batch_totals(totals, layout):
     if layout.rank != 0:
         return None, None
     shares = [t for t in everyone if t is not None]
-    summed = {k: sum(s[k] for s in shares) for k in ("done", "resumed", "new_tokens", "decode_s")}
+    keys = ("done", "resumed", "new_tokens", "decode_s", "batched_steps", "batched_rows")
+    summed = {k: sum(s.get(k, 0) for s in shares) for k in keys}
     summed["failed"] = [f for s in shares for f in s["failed"]]
     # the largest of the replicas (they ran at the same time)
     for k in ("peak_device", "peak_rss", "wall_s"):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from checkpoint import CheckpointError, check_config, iter_checkpoint, read_config
 from quantize import Int8Linear, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
+from rowwise import linear
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2"}
@@ -187,8 +188,8 @@ def sliding_mask(T, window, device):
 
 
 def apply_rope(x, cos, sin):
-    # x [B, heads, T, D]; cos, sin [T, D]. Rotate the two halves of D (the layout HF checkpoints are
-    # stored in).
+    # x [B, heads, T, D]; cos, sin [B or 1, 1, T, D]. Rotate the two halves of D (the layout HF
+    # checkpoints are stored in).
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -230,9 +231,9 @@ class Attention(nn.Module):
         H = self.n_local_heads
         G = self.n_local_kv_heads
         D = self.args.head_dim
-        q = self.wq(x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = self.wk(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
-        v = self.wv(x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+        q = linear(self.wq, x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = linear(self.wk, x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+        v = linear(self.wv, x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # the reference: every position attends to all earlier ones (in its window), nothing is kept
         if cache is None:
@@ -244,9 +245,13 @@ class Attention(nn.Module):
             else:
                 mask = sliding_mask(T, window, x.device)  # [T, T]
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif isinstance(cache, list):  # a decode step of B tasks: each row over its own cache
+            rows = [c.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                    for i, c in enumerate(cache)]
+            y = torch.cat(rows)  # [B, H, 1, D]
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
-        y = self.wo(y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+        y = linear(self.wo, y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
         return y if self.all_reduce is None else self.all_reduce(y)
 
 
@@ -262,7 +267,8 @@ class FeedForward(nn.Module):
         self.all_reduce = None
 
     def forward(self, x):
-        y = self.w2(F.silu(self.w1(x)) * self.w3(x))  # [B, T, E]
+        gate = F.silu(linear(self.w1, x))  # [B, T, F]
+        y = linear(self.w2, gate * linear(self.w3, x))  # [B, T, E]
         return y if self.all_reduce is None else self.all_reduce(y)
 
 
@@ -297,26 +303,32 @@ class Transformer(nn.Module):
     def forward(self, tokens, cache=None, last_only=False):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and
         the output matrix over every position of a long prompt costs as much as attention). With a
-        cache, tokens continue at position cache.length."""
+        cache, tokens continue at position cache.length; with a list of B caches, row i continues
+        cache i at its own position (generate.decode_batch: B tasks' decode steps at once)."""
         B, T = tokens.shape
-        start = 0 if cache is None else cache.length
-        if (cache is not None and self.args.sliding_window
-                and cache.windows != self.args.layer_windows):
-            raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers "
-                             f"slide with {self.args.layer_windows}; build the cache with "
-                             "kvcache.make_cache(model, ...)")
-        pos = torch.arange(start, start + T, device=tokens.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)   # [T, D/2], fp32 as in transformers
-        emb = torch.cat((freqs, freqs), dim=-1)   # [T, D]
+        caches = cache if isinstance(cache, list) else [cache]
+        for c in caches:
+            if c is not None and self.args.sliding_window and c.windows != self.args.layer_windows:
+                raise ValueError(f"this cache attends with windows {c.windows}, the model's layers "
+                                 f"slide with {self.args.layer_windows}; build the cache with "
+                                 "kvcache.make_cache(model, ...)")
         x = self.tok_embeddings(tokens)           # [B, T, E]
-        a = self.attention_factor                 # YaRN's scale (else 1.0), in fp32 as transformers
-        cos = (emb.cos() * a).to(x.dtype)         # [T, D]
-        sin = (emb.sin() * a).to(x.dtype)         # [T, D]
+        tables = [self.rope(0 if c is None else c.length, T, x.dtype) for c in caches]
+        cos = torch.stack([t[0] for t in tables]).unsqueeze(1)  # [B or 1, 1, T, D]: a row's table
+        sin = torch.stack([t[1] for t in tables]).unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
         if last_only:
             x = x[:, -1:]                         # [B, 1, E]
-        return self.output(self.norm(x)).float()  # [B, T, V], fp32 for sampling
+        return linear(self.output, self.norm(x)).float()  # [B, T, V], fp32 for sampling
+
+    def rope(self, start, T, dtype):
+        """(cos, sin) [T, D] for positions start..start+T-1, in fp32 as transformers, then dtype."""
+        pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)   # [T, D]
+        a = self.attention_factor                 # YaRN's scale (else 1.0), in fp32 as transformers
+        return (emb.cos() * a).to(dtype), (emb.sin() * a).to(dtype)
 
     @classmethod
     def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None,

@@ -216,7 +216,7 @@ class Monitor:
         if self.ram and mem["rss"] > 0.8 * self.ram:
             self.alert("host_memory", f"host memory {mem['rss'] / 2**30:.1f} GiB is over 80% of "
                        f"this machine's {self.ram / 2**30:.1f} GiB: the job is about to swap; "
-                       "lower --concurrency or --cpu-budget")
+                       "lower --batch-size or --cpu-budget")
         chunks = snap["chunks"]
         left_device = chunks["host"] + chunks["disk"]
         # where the chunks should be by now: plan_tiers counts the next position's chunk as open
@@ -279,6 +279,10 @@ class Monitor:
                  f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",
                  "bytes: " + ", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())]
+        if t.get("batched_steps"):
+            per_step = t["batched_rows"] / t["batched_steps"]
+            lines.append(f"batched: {t['batched_steps']} decode steps shared by {per_step:.1f} "
+                         "tasks on average")
         lines += [f"FAILED {task}: {err}" for task, err in t["failed"]]
         return "\n".join(lines)
 

@@ -58,7 +58,7 @@ def cpu_threads(device):
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
              eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
-             kv_store=None, layout=None, kv_dtype="auto"):
+             kv_store=None, layout=None, kv_dtype="auto", batcher=None):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
     everything measured.
 
@@ -72,7 +72,8 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     prompt's full chunks, and store the prompt chunks this run computes, under keys chained from
     the fingerprint (see PromptCache). Under tensor parallelism (layout, see tp.py) each rank keeps
     its own store in task_<id>/rank<r>/, the ranks resume together from the shortest prefix they all
-    vouch for, and rank 0's sampled token is everyone's."""
+    vouch for, and rank 0's sampled token is everyone's. batcher (a batcher.Batcher): this task is
+    one of a batch whose decode steps run as one forward pass, its output unchanged."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
@@ -133,9 +134,11 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     ok = False
     cache = None
     prompt_cache = None
-    # each task computes on a stream of its own, so that concurrent tasks on one GPU never wait
-    # for each other
-    stream = torch.cuda.Stream(device) if on_cuda(device) else None
+    # a lone task computes on a stream of its own; a batch's tasks share their forward passes, one
+    # at a time (batcher.py), on the default stream
+    stream = None
+    if on_cuda(device) and batcher is None:
+        stream = torch.cuda.Stream(device)
     try:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             cache, restored = open_cache(n_restore)
@@ -168,7 +171,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens,
                                         sampling=sampling, eos_ids=eos_ids, out=out,
                                         on_token=on_token, on_step=step, stream=stream,
-                                        layout=layout)
+                                        layout=layout, batcher=batcher)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
                 # reading the stored chunks comes before the first token too
@@ -188,7 +191,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
 
 
 def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token,
-                   on_step, stream, layout=None):
+                   on_step, stream, layout=None, batcher=None):
     """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed
     tokens on entry and the tokens so far as they come; stream is this task's CUDA stream
     (None on CPU)."""
@@ -199,7 +202,7 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     # prompt positions restored (resume) or adopted (--kv-store) are not computed here
     computed = max(0, len(prompt_ids) - cache.length)
 
-    def step(phase, logits, cache):
+    def timed_step(phase, logits, cache):
         if stream is not None:
             # this task's work only: another task's steps are not ours to wait for
             stream.synchronize()
@@ -225,8 +228,12 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
     if layout is not None and layout.tp > 1:
         share = functools.partial(broadcast_token, layout=layout)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
-    new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, step,
-                   replay=replayed, share=share)
+    try:
+        new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, timed_step,
+                       replay=replayed, share=share, step=batcher.step if batcher else None)
+    finally:
+        if batcher:
+            batcher.leave(cache)  # the batch's other tasks stop waiting for this one
     snap = cache.store.snapshot()
     io_end = process_io()
     weights = weight_bytes(model)

@@ -34,9 +34,8 @@ to the replicas. Every function here is a no-op on a single process (Layout.sing
 can call them unconditionally.
 
 Limits: the ranks of a replica must issue the same collectives in the same order, so a replica runs
-one task at a time (no --concurrency), and an error on one rank leaves the others waiting in a
-collective until torchrun stops the job (a rerun resumes). Batch size 1, as everywhere in this
-project.
+one task at a time (no --batch-size above 1), and an error on one rank leaves the others waiting in
+a collective until torchrun stops the job (a rerun resumes).
 """
 import functools
 import hashlib

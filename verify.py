@@ -20,10 +20,12 @@ import json
 import os
 import pydoc_data.topics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import launch
+from batcher import Batcher
 from checkpoint import CheckpointError
 from cli import (
     DEMO_CKPT,
@@ -57,7 +59,7 @@ ALIAS = "alias: python verify.py --diagnose ... runs python doctor.py ..."
 
 
 def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=None, fingerprint=None,
-             layout=None):
+             layout=None, batcher=None, task=""):
     """Greedy generation; returns (new ids, [(position, phase, logits [V])...], stats)."""
     steps = []
 
@@ -68,10 +70,33 @@ def run_mode(model, ids, max_new, chunk_size, mode, compress, args, kv_store=Non
                         compress=compress, cpu_budget_gib=args.cpu_budget,
                         staging_slots=args.staging_slots, **select_fields(args))
     new, stats = run_task(model, ids, max_new, chunk_size=chunk_size, cfg=cfg,
-                          task_id=f"verify_{os.getpid()}_{mode}_{compress}", kv_store=kv_store,
-                          fingerprint=fingerprint, kv_dtype=args.kv_dtype, layout=layout,
-                          on_step=on_step)
+                          task_id=f"verify_{os.getpid()}_{mode}_{compress}{task}",
+                          kv_store=kv_store, fingerprint=fingerprint, kv_dtype=args.kv_dtype,
+                          layout=layout, on_step=on_step, batcher=batcher)
     return new, steps, stats
+
+
+def batch_prompts(ids, n):
+    """n prompts of different lengths and contents cut from ids: task i starts i / (2n) of the way
+    in and runs (i + 1) / n of the rest, so the tasks decode at different positions."""
+    out = []
+    for i in range(n):
+        start = len(ids) * i // (2 * n)
+        out.append(ids[start:start + max(1, (len(ids) - start) * (i + 1) // n)])
+    return out
+
+
+def run_batched(model, prompts, mode, compress, args):
+    """The prompts as one batch of tasks in flight, their decode steps shared (batcher.py): per task
+    what run_mode returns, and the most tasks one decode step served."""
+    batcher = Batcher(model)
+
+    def one(i):
+        return run_mode(model, prompts[i], args.max_new_tokens, args.chunk_size, mode, compress,
+                        args, batcher=batcher, task=f"_b{i}")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        runs = list(pool.map(one, range(len(prompts))))
+    return runs, batcher.widest
 
 
 def decode_positions(steps):
@@ -109,6 +134,10 @@ def build_parser():
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
                    help="truncate the prompt to this many tokens")
+    p.add_argument("--batch", type=int, metavar="N",
+                   help="also run N prompts of different lengths as one batch of tasks in flight "
+                   "(their decode steps shared) in every mode: each task must be bit-identical to "
+                   "itself run alone with --offload none")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     return p
 
@@ -134,6 +163,9 @@ def verify(args):
             raise UsageError(f"--modes: {bad or args.modes!r} not among {OFFLOAD_MODES}")
         if args.max_new_tokens <= 0 or args.max_prompt_tokens <= 0:
             raise UsageError("--max-new-tokens and --max-prompt-tokens must be >= 1")
+        if args.batch is not None and (args.batch < 2 or layout.tp > 1):
+            raise UsageError("--batch N needs N >= 2 tasks, and one process per model (no --tp "
+                             "above 1)")
         check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
         if not os.path.isdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt}: no such directory")
@@ -177,6 +209,14 @@ def verify(args):
             fp = run_fingerprint(args.ckpt, args)
             for m in ("store", "reuse"):
                 runs[m] = run(*MODE_SPECS[modes[-1]], kv_store=kv_store, fingerprint=fp)
+        batched = {}  # mode -> (per task: the first difference from its lone run, or None; widest)
+        if args.batch:
+            prompts = batch_prompts(ids, args.batch)
+            alone = [run_mode(model, q, args.max_new_tokens, args.chunk_size, "none", "none", args,
+                              task=f"_a{i}") for i, q in enumerate(prompts)]
+            for m in ["none"] + modes:
+                tasks, widest = run_batched(model, prompts, *MODE_SPECS[m], args)
+                batched[m] = ([compare(a, b) for a, b in zip(alone, tasks)], widest)
     except (UsageError, CheckpointError, OffloadError, ValueError) as e:
         launch.refuse(f"verify.py: error: {e}", layout)
         return 2
@@ -200,6 +240,8 @@ def verify(args):
                      "decode_tokens_per_s": st["decode_tokens_per_s"],
                      "chunks_read_per_decode_step": st["chunks_read_per_decode_step"],
                      "reused_tokens": st.get("reused_tokens", 0)}
+    for m, (diffs, widest) in batched.items():
+        ok &= all(d is None for d in diffs) and widest > 1  # steps shared, every task its own bits
     if kv_store and not report["reuse"]["reused_tokens"]:  # nothing reused would prove nothing
         ok = False
         report["reuse"]["first_difference"] = (0, None, "prefill",
@@ -221,7 +263,10 @@ def verify(args):
         print(json.dumps({"ok": ok, "ranks": layout.world, "prompt_tokens": len(ids),
                           "chunk_size": args.chunk_size, "window": args.window,
                           "kv_dtype": args.kv_dtype, "select": select_fields(args),
-                          "modes": report, "unchunked": unchunked}))
+                          "modes": report, "unchunked": unchunked,
+                          "batch": {m: {"identical_to_alone": [d is None for d in diffs],
+                                        "most_tasks_per_step": widest}
+                                    for m, (diffs, widest) in batched.items()}}))
     else:
         ranks = ""
         if layout.world > 1:
@@ -265,6 +310,17 @@ def verify(args):
                 print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely "
                       "causes: a chunk read back at the wrong position or from a stale slot (a "
                       "missing stream wait), or a dtype change across tiers.")
+        for m, (diffs, widest) in batched.items():
+            same = sum(d is None for d in diffs)
+            print(f"batch of {args.batch}, {m}: {same} of {len(diffs)} tasks bit-identical to "
+                  f"themselves alone with --offload none; up to {widest} tasks per decode step")
+            if widest < 2:
+                print(f"NOT PROVEN batch {m}: no decode step was shared (the first task finished "
+                      "before the next one had read its prompt); raise --max-new-tokens")
+            for i, d in enumerate(diffs):
+                if d:
+                    print(f"MISMATCH batch {m} task {i}: step {d[0]} ({d[2]}, position {d[1]}): "
+                          f"{d[3]}")
         everywhere = f" on all {layout.world} ranks" if layout.world > 1 else ""
         print(f"OK: every mode is bit-identical to --offload none{everywhere}" if ok else "FAILED")
     return 0 if ok else 1

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import pydoc_data.topics
+import re
 import resource
 import signal
 import subprocess
@@ -217,24 +218,29 @@ def serial(text_ckpt, tmp_path_factory):
     """TASKS run one at a time on the disk tier: {id: result}."""
     d = tmp_path_factory.mktemp("serial")
     tasks = write_tasks(d / "tasks.jsonl", TASKS)
-    argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", *DISK, "--top-p", "0.9")
+    argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", *DISK, "--top-p", "0.9",
+                      "--batch-size", 1)
     assert cli.main([str(a) for a in argv]) == 0
     return by_id(d / "results.jsonl")
 
 
-@pytest.mark.parametrize("concurrency", [2, 3])
-def test_concurrent_tasks_equal_their_serial_results(text_ckpt, tmp_path, capsys, serial,
-                                                     concurrency):
+@pytest.mark.parametrize("flag,n", [("--batch-size", 2), ("--batch-size", 4), ("--concurrency", 3)])
+def test_batched_tasks_equal_their_serial_results(text_ckpt, tmp_path, capsys, serial, flag, n):
+    """fp32, sampled, prompts of 1 to 4 chunks: tasks that share their decode steps give the
+    tokens they give one at a time (--concurrency is the same flag as --batch-size)."""
     tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS)
     argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", tmp_path / "off", *DISK,
-                      "--top-p", "0.9", "--concurrency", concurrency)
+                      "--top-p", "0.9", flag, n)
     rc, err = run_main(argv, capsys)
     assert rc == 0, err
     got = by_id(tmp_path / "results.jsonl")
     assert sorted(got) == sorted(serial)
     for i, r in got.items():
-        assert r["tokens"] == serial[i]["tokens"], f"task {i} differs at concurrency {concurrency}"
+        assert r["tokens"] == serial[i]["tokens"], f"task {i} differs at {flag} {n}"
         assert r["stats"]["chunks"]["disk"] > 0 or r["prompt_tokens"] + 12 <= 2 * C, r["stats"]
+    # the tasks did share their decode steps: more than one task per step on average
+    shared = re.search(r"batched: (\d+) decode steps shared by ([\d.]+) tasks", err)
+    assert shared and float(shared.group(2)) > 1.2, err
 
 
 def test_torn_last_line_is_repaired(text_ckpt, tmp_path, capsys, serial):

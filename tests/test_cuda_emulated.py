@@ -15,6 +15,8 @@ import torch
 import cuda_emu
 import disk
 from disk import DiskError
+from generate import decode_batch, decode_one_token, prefill
+from kvcache import make_cache
 from kvstore import KVStore
 from model import Transformer
 from offload import OffloadConfig
@@ -186,6 +188,41 @@ def test_selection_on_the_cuda_path_bit_identical_and_race_free(llama, tmp_path,
     assert_good(emu, reference, other, label)
     if select != "oracle":  # the oracle reads every chunk
         assert other[2]["bytes"]["select_skipped"] > 0, other[2]
+
+
+def test_a_batched_decode_step_on_the_cuda_path(llama, tmp_path):
+    """generate.decode_batch over three tasks whose stores take the CUDA path (host pool, disk,
+    zstd), each at its own position: every row equals that task decoding alone with --offload
+    none, and the emulator finds no race across the three stores' streams."""
+    lengths = (45, 23, 31)
+    ids = [torch.tensor([prompt(n, llama.args.vocab_size, seed=n)]) for n in lengths]
+    cfgs = [dict(mode="cpu", window=0, staging_slots=1), dict(mode="disk", window=1),
+            dict(mode="disk", compress="zstd", window=1, staging_slots=2)]
+    steps = 10
+    reference = []
+    for p in ids:  # alone, no offload, no emulation
+        cache = make_cache(llama, OffloadConfig(), C, 120)
+        logits = prefill(llama, cache, p)
+        seen = []
+        for _ in range(steps):
+            seen.append(logits)
+            logits = decode_one_token(llama, cache, logits.argmax(-1, keepdim=True))
+        reference.append(seen)
+        cache.store.close()
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        caches = [make_cache(llama, OffloadConfig(offload_dir=str(tmp_path), **c), C, 120)
+                  for c in cfgs]
+        logits = torch.cat([prefill(llama, c, p) for c, p in zip(caches, ids)])
+        for step in range(steps):
+            for i in range(len(ids)):
+                assert torch.equal(logits[i:i + 1], reference[i][step]), (i, step)
+            logits, failed = decode_batch(llama, caches, logits.argmax(-1, keepdim=True))
+            assert not failed
+        moved = [c.store.snapshot()["bytes"] for c in caches]
+        for c in caches:
+            c.store.close()
+    assert not emu.problems(), "\n".join(emu.problems()[:8])
+    assert emu.stats["deferred"] > 0 and all(b["h2d"] > 0 for b in moved), moved
 
 
 def test_host_budget_spills_to_disk(llama, base, tmp_path):

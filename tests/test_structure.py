@@ -17,12 +17,12 @@ LAYERS = [
     {"bench", "probe", "verify", "tune", "doctor"},
     # flags, checks, generate.py's main
     {"cli"},
-    # tasks, resume, torchrun, trace
-    {"batch", "task", "taskdir", "monitor", "launch"},
+    # tasks, resume, torchrun, trace; the tasks in flight sharing their decode steps
+    {"batch", "batcher", "task", "taskdir", "monitor", "launch"},
     # the loop
     {"generate"},
-    # the network, text <-> ids
-    {"model", "rope", "quantize", "tp", "tokenizer", "progress", "random_model"},
+    # the network, text <-> ids; a batch's rows through a linear, each its own bits
+    {"model", "rope", "quantize", "rowwise", "tp", "tokenizer", "progress", "random_model"},
     # chunks as attention sees them and their layouts; the files
     {"kvcache", "kvlayout", "checkpoint"},
     # where bytes live and move; the policy that decides what is read, evicted and placed; private
@@ -87,7 +87,7 @@ def test_imports_flow_down_and_have_no_cycle():
 def test_core_imports_nothing_above_the_loop():
     core = {"model", "rope", "checkpoint", "kvcache", "kvlayout", "offload", "disk", "pools",
             "policy", "generate", "tokenizer"}
-    allowed = core | {"quantize", "tp", "progress", "kvstore", "private"}
+    allowed = core | {"quantize", "rowwise", "tp", "progress", "kvstore", "private"}
     for m in core:
         assert imports_of(m) <= allowed, (m, imports_of(m))
 

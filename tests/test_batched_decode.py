@@ -1,0 +1,198 @@
+"""
+Tasks that share their decode steps (generate.decode_batch, batcher.Batcher, --batch-size): every
+task's logits and tokens are the bits it gets alone, in bf16 (one product for all rows) and fp32
+(rows kept apart, rowwise.py), at different positions, on different tiers, across chunk boundaries;
+a task whose disk fails leaves the batch and falls back alone while the others go on; refusals.
+(The batch killed mid-way and rerun is in test_batch.py, as are fp32 sampled batches against
+serial results.)
+"""
+import errno
+
+import pytest
+import torch
+
+import disk
+import model as model_module
+import rowwise
+import verify
+from generate import decode_batch, decode_one_token, prefill
+from kvcache import make_cache
+from model import Transformer
+from offload import OffloadConfig
+from rowwise import linear
+from test_batch import TOPICS, batch_args, by_id, run_main, write_tasks
+
+C = 8
+PROMPTS = (13, 40, 7, 64, 29)  # tokens: each task at its own position, several chunks apart
+STEPS = 12                     # decode steps: every task crosses a chunk boundary
+CFGS = [dict(), dict(mode="disk", window=1), dict(mode="cpu", window=0), dict(mode="disk"),
+        dict(mode="disk", window=2, compress="zstd")]
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def model(request, checkpoint):
+    return Transformer.from_pretrained(checkpoint(num_hidden_layers=3), dtype=request.param)
+
+
+def prompts(vocab):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab, (1, n), generator=g) for n in PROMPTS]
+
+
+def cfg(i, tmp):
+    return OffloadConfig(offload_dir=str(tmp), **CFGS[i % len(CFGS)])
+
+
+def alone(model, ids, config):
+    """Greedy decode of one task by itself: the logits of every step."""
+    cache = make_cache(model, config, C, 200)
+    logits = prefill(model, cache, ids)
+    seen = []
+    for _ in range(STEPS):
+        seen.append(logits.clone())
+        logits = decode_one_token(model, cache, logits.argmax(-1, keepdim=True))
+    cache.store.close()
+    return seen
+
+
+def test_a_batched_step_gives_every_task_its_lone_bits(model, tmp_path):
+    """Five tasks at positions 7 to 64, on five different tier setups: each row of every batched
+    step equals, bit for bit, the logits of that task decoding alone."""
+    ids = prompts(model.args.vocab_size)
+    ref = [alone(model, p, cfg(i, tmp_path / f"a{i}")) for i, p in enumerate(ids)]
+    caches = [make_cache(model, cfg(i, tmp_path / f"b{i}"), C, 200) for i in range(len(ids))]
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
+    for step in range(STEPS):
+        for i in range(len(ids)):
+            assert torch.equal(logits[i:i + 1], ref[i][step]), f"task {i}, step {step}"
+        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
+        assert not failed
+    tiers = [c.store.snapshot()["chunks"] for c in caches]
+    assert tiers[1]["disk"] > 0 and tiers[2]["host"] > 0  # the tiers were really in use
+    for c in caches:
+        c.store.close()
+
+
+def test_linear_keeps_rows_apart_whatever_the_platform(model):
+    """rowwise.linear: row i of a B-row call is the 1-row product's bits, for every layer kind of
+    the model and every row count, whether the platform's matmul is row-invariant or not."""
+    g = torch.Generator().manual_seed(1)
+    layers = [model.layers[0].attention.wq, model.layers[0].feed_forward.w2, model.output]
+    for layer in layers:
+        for B in (2, 3, 4, 7, 16):
+            x = torch.randn(B, 1, layer.weight.shape[1], generator=g).to(model.output.weight.dtype)
+            rows = torch.cat([layer(x[i:i + 1]) for i in range(B)])
+            assert torch.equal(linear(layer, x), rows), (layer, B)
+
+
+def test_the_batch_and_the_lone_model_agree_on_a_reference_call(model):
+    """model(tokens) with B rows (the reference path, no cache) equals B lone calls too: the
+    linears keep rows apart everywhere, not only in decode_batch."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, model.args.vocab_size, (3, 5), generator=g)
+    full = model(ids)
+    rows = torch.cat([model(ids[i:i + 1]) for i in range(3)])
+    assert torch.equal(full, rows)
+
+
+# -----------------------------------------------------------------------------
+# the command line
+
+MIXED = [{"id": "long", "prompt": TOPICS["pass"][:300], "max_new_tokens": 20},
+         {"id": "sampled", "prompt": TOPICS["break"][:120], "max_new_tokens": 14,
+          "temperature": 0.9, "seed": 5},
+         {"id": "short", "prompt": TOPICS["del"][:40], "max_new_tokens": 3},
+         {"id": "mid", "prompt": TOPICS["continue"][:200], "max_new_tokens": 9},
+         {"id": "late", "prompt": TOPICS["else"][:80], "max_new_tokens": 11}]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_batch_gives_each_task_its_lone_result(text_ckpt, tmp_path, capsys, dtype):
+    """Five tasks of different lengths (one sampled), three in flight: a task that finishes leaves,
+    the next joins; every result line equals --batch-size 1's."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", MIXED)
+    flags = ["--offload", "disk", "--chunk-size", C, "--window", 1, "--dtype", dtype]
+    results = {}
+    for n in (1, 3):
+        out = tmp_path / f"r{n}.jsonl"
+        argv = batch_args(text_ckpt, tasks, out, tmp_path / f"off{n}", *flags, "--batch-size", n)
+        rc, err = run_main(argv, capsys)
+        assert rc == 0, err
+        results[n] = by_id(out)
+        if n > 1:
+            assert "decode steps shared by" in err, err
+    assert sorted(results[1]) == sorted(results[3]) == sorted(t["id"] for t in MIXED)
+    for task_id, r in results[3].items():
+        assert r["tokens"] == results[1][task_id]["tokens"], task_id
+
+
+def test_a_task_whose_disk_fails_leaves_the_batch_and_falls_back(text_ckpt, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Task "mid" cannot write its disk tier: it leaves the batch, reruns on host memory
+    (--fallback-cpu-budget) and still gives its lone tokens; the others are untouched."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", MIXED)
+    flags = ["--offload", "disk", "--chunk-size", C, "--window", 1, "--dtype", "bf16"]
+    ref_out = tmp_path / "ref.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, ref_out, tmp_path / "o1", *flags,
+                                  "--batch-size", 1), capsys)
+    assert rc == 0, err
+    real_write = disk.DiskTier.write
+
+    def write(self, layer, j, src):
+        if "task_mid" in self.path:
+            raise disk.DiskError(errno.ENOSPC, "No space left on device")
+        return real_write(self, layer, j, src)
+    monkeypatch.setattr(disk.DiskTier, "write", write)
+    out = tmp_path / "out.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, out, tmp_path / "o2", *flags, "--batch-size",
+                                  4, "--fallback-cpu-budget", 1), capsys)
+    assert rc == 0, err
+    assert "task mid: the disk tier failed" in err and "falling back to host memory" in err, err
+    got = by_id(out)
+    ref = by_id(ref_out)
+    assert {k: r["tokens"] for k, r in got.items()} == {k: r["tokens"] for k, r in ref.items()}
+    assert got["mid"]["stats"]["chunks"]["host"] > 0 and got["long"]["stats"]["chunks"]["disk"] > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "-2"], "--batch-size must be >= 1"),
+    (["--prompt", "hello", "--batch-size", "4"], "--batch-size goes with --prompts"),
+])
+def test_bad_batch_sizes_are_one_sentence(text_ckpt, tmp_path, capsys, argv, needle):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", MIXED[:1])
+    if "--prompt" not in argv:
+        argv = ["--prompts", str(tasks), "--output", str(tmp_path / "r.jsonl"), *argv]
+    rc, err = run_main(["--ckpt", text_ckpt, *argv], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and needle in lines[0], err
+
+
+# -----------------------------------------------------------------------------
+# verify.py --batch: the proof on the user's own checkpoint, and that it can fail
+
+VERIFY = ["--chunk-size", "16", "--window", "1", "--max-new-tokens", "24",
+          "--max-prompt-tokens", "120", "--batch", "3", "--modes", "disk"]
+
+
+def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path, capsys):
+    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for mode in ("none", "disk"):
+        assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
+
+
+def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_path, capsys,
+                                                                 monkeypatch):
+    """A linear whose rows feel the batch they are in (as an fp32 matmul would, unchecked): the
+    tasks of a batch no longer equal themselves alone, and verify --batch says so and exits 1."""
+    real = rowwise.linear
+
+    def leaky(layer, x):
+        y = real(layer, x)
+        return y + 1e-3 * (x.shape[0] - 1)  # 0 alone, something in a batch
+    monkeypatch.setattr(model_module, "linear", leaky)
+    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1 and "MISMATCH batch none task" in out and "FAILED" in out, out
