@@ -3,15 +3,18 @@ How K and V sit in a chunk's bytes: a layout. The store (offload.py) moves a chu
 some shape and dtype whatever is inside it, and attention (kvcache.py) asks the layout for K and V
 [B, G, C, D] in the compute dtype. PlainLayout keeps them as computed; Int8Layout (--kv-dtype int8)
 quantizes them as they are written into the open chunk and dequantizes each chunk right before it
-is attended, so the int8 bytes, not the compute dtype's, cross every link. A layout's read is a
-function of the stored bytes only, so every tier stays bit-identical to --offload none.
+is attended, so the int8 bytes, not the compute dtype's, cross every link; Int4Layout
+(--kv-dtype int4) does the same at 4 bits, its keys quantized when the chunk fills. A layout's read
+of a sealed chunk is a function of the stored bytes only, so every tier stays bit-identical to
+--offload none.
 """
 import math
 
 import torch
 
-# auto: K and V kept in the compute dtype; int8: quantized per token and kv head
-KV_DTYPES = ("auto", "int8")
+# auto: K and V kept in the compute dtype; int8: quantized per token and kv head; int4: keys per
+# channel within a chunk, values per token
+KV_DTYPES = ("auto", "int8", "int4")
 
 
 class PlainLayout:
@@ -83,19 +86,150 @@ class Int8Layout:
         return x[0], x[1]
 
 
+class Int4Layout:
+    """K and V at 4 bits, asymmetric (16 levels from a minimum to a maximum), as KIVI quantizes
+    them: values per token (a scale and a minimum per position and kv head), keys per channel over
+    the chunk's C positions (a scale and a minimum per channel), since a few key channels run far
+    larger than the rest in every token and would flatten a per-token scale. Measured on the demo
+    model (docs/quantization.md), per-channel keys keep more top-1 agreement than per-token ones.
+
+    A channel's scale needs every key of the chunk, and the open chunk is written a few positions
+    at a time. As KIVI keeps its newest keys in full precision (its residual), the layout keeps
+    the open chunk's keys in the compute dtype beside it (`open_keys`, one [B, G, C, D] tensor per
+    open chunk, on the device), and the write that fills the chunk quantizes them per channel into
+    the chunk's bytes. The open chunk never leaves the device and a sealed chunk holds only its
+    packed bytes, so every tier moves and reads the same bytes; a resumed run recomputes its open
+    chunk with the first run's schedule (generate.py), so those keys are the same too.
+
+    A chunk is one uint8 buffer [1, B, G, C, D + 4 + E], a row per position (one plane: keys and
+    values share the row):
+        keys, then values, two channels a byte (channel 2i in the low nibble)   D bytes
+        the values' scale and minimum, fp16 (a value past +-65504 is clipped)   4 bytes
+        an E-byte share of the chunk's key scales and minimums, fp32 [2, D]     E = 8D / C rounded
+                                                                                up to 4 bytes
+    fp32 for the keys (exact: a channel may sit far from zero), fp16 for the values, as llama.cpp's
+    q4_0. D=128, C=512: 0.266 of bf16's bytes. Dequantized to the compute dtype chunk by chunk,
+    right before attention."""
+
+    def __init__(self, compute_dtype):
+        self.dtype = torch.uint8              # what the store holds
+        self.compute_dtype = compute_dtype    # what attention gets
+        self.open_keys = {}                   # an open chunk's data_ptr -> its keys [B, G, C, D]
+
+    def shape(self, B, G, C, D):
+        if D % 2:
+            raise ValueError(f"--kv-dtype int4 packs two channels a byte, and head_dim {D} is odd; "
+                             "use --kv-dtype int8")
+        return (1, B, G, C, self.row_bytes(C, D))
+
+    @staticmethod
+    def row_bytes(C, D):
+        """D + 4 + E: E = 8D / C (the key params' share of a row) rounded up to 4 bytes."""
+        return D + 4 + 4 * -(-2 * D // C)
+
+    def sizes(self, chunk):
+        """(C, D, E) of a chunk [1, B, G, C, D + 4 + E]: the row width grows with D, so one D
+        gives it."""
+        C = chunk.shape[3]
+        W = chunk.shape[4]
+        D = next(d for d in range(2, W, 2) if self.row_bytes(C, d) == W)
+        return C, D, W - D - 4
+
+    def write(self, chunk, off, k, v):
+        """k, v [B, G, T, D] into positions off..off+T-1: the values quantized into the chunk now,
+        the keys kept in the compute dtype until the chunk is full, then quantized per channel."""
+        B, G, T, D = k.shape
+        C = chunk.shape[3]
+        rows = chunk[0, :, :, off:off + T]                             # [B, G, T, D + 4 + E]
+        ptr = chunk.data_ptr()
+        if off == 0:  # a new open chunk
+            self.open_keys[ptr] = torch.empty(B, G, C, D, dtype=k.dtype, device=k.device)
+        self.open_keys[ptr][:, :, off:off + T] = k
+        # values: one (scale, minimum) per position, rounded to fp16 before q is computed
+        x = v.float().clamp(-65504, 65504)                             # [B, G, T, D]
+        lo = x.amin(-1, keepdim=True).half().float()                   # [B, G, T, 1]
+        scale = ((x.amax(-1, keepdim=True) - lo) / 15).clamp_min(2 ** -24).half().float()
+        rows[..., D // 2:D] = pack_nibbles(levels(x, lo, scale))      # [B, G, T, D/2]
+        rows[..., D:D + 4] = torch.cat((scale, lo), -1).half().view(torch.uint8)  # [B, G, T, 4]
+        if off + T < C:
+            return
+        # the chunk is full: its keys, per channel over the C positions
+        x = self.open_keys.pop(ptr).float()                            # [B, G, C, D]
+        lo = x.amin(2, keepdim=True)                                   # [B, G, 1, D]
+        scale = ((x.amax(2, keepdim=True) - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+        chunk[0, :, :, :, :D // 2] = pack_nibbles(levels(x, lo, scale))  # [B, G, C, D/2]
+        shares = chunk[0, :, :, :, D + 4:]                             # [B, G, C, E]
+        params = torch.cat((scale, lo), 2).view(B, G, 8 * D // 4).view(torch.uint8)  # [B, G, 8D]
+        padded = torch.zeros(B, G, shares[0, 0].numel(), dtype=torch.uint8, device=x.device)
+        padded[..., :8 * D] = params
+        shares.copy_(padded.view(shares.shape))
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] in the compute dtype from the first `upto` positions of a chunk
+        [1, B, G, C, D + 4 + E]. A full chunk: both dequantized from its bytes. The open chunk
+        (upto < C): its keys as computed, its values dequantized."""
+        C, D, E = self.sizes(chunk)
+        rows = chunk[0, :, :, :upto]                                   # [B, G, upto, D + 4 + E]
+        B, G = rows.shape[:2]
+        q = unpack_nibbles(rows[..., :D]).unflatten(-1, (2, D))       # [B, G, upto, 2, D]
+        params = rows[..., D:D + 4].view(torch.float16).float()       # [B, G, upto, 2]
+        v = torch.addcmul(params[..., 1:], q[..., 1, :], params[..., :1])  # [B, G, upto, D]
+        if upto < C:
+            k = self.open_keys[chunk.data_ptr()][:, :, :upto]
+        else:
+            # [B, G, 8D]: a copy, 4-byte aligned whatever the row width
+            shares = rows[..., D + 4:].reshape(B, G, C * E)[..., :8 * D].clone()
+            scale, lo = shares.view(torch.float32).view(B, G, 2, 1, D).unbind(2)  # [B, G, 1, D]
+            k = torch.addcmul(lo, q[..., 0, :], scale)                 # [B, G, C, D] fp32
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+
+def levels(x, lo, scale):
+    """x (float) -> its level 0..15 between lo and lo + 15 * scale, uint8."""
+    return torch.round((x - lo) / scale).clamp_(0, 15).to(torch.uint8)
+
+
+def pack_nibbles(q):
+    """q [..., D] (0..15) -> uint8 [..., D/2]: channel 2i in the low nibble, 2i+1 in the high."""
+    return q[..., 0::2] | q[..., 1::2] << 4
+
+
+def unpack_nibbles(b):
+    """pack_nibbles undone: uint8 [..., D/2] -> [..., D]."""
+    return torch.stack((b & 15, b >> 4), -1).flatten(-2)              # [..., D/2, 2] -> [..., D]
+
+
 def chunk_layout(kv_dtype, dtype):
     """The layout for --kv-dtype (auto: the compute dtype `dtype`)."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    return Int8Layout(dtype) if kv_dtype == "int8" else PlainLayout(dtype)
+    if kv_dtype == "int8":
+        return Int8Layout(dtype)
+    if kv_dtype == "int4":
+        return Int4Layout(dtype)
+    return PlainLayout(dtype)
 
 
-def kv_bytes_per_token(model_args, dtype, kv_dtype="auto"):
-    """Bytes of K and V per position, all layers, as the chunks hold them (int8: with the scales);
-    dtype is the compute dtype. What crosses a link per offloaded position."""
+def kv_chunk_bytes(model_args, dtype, kv_dtype, chunk_size):
+    """Bytes of one chunk of one layer as the store holds it, scales included; dtype is the compute
+    dtype."""
     layout = chunk_layout(kv_dtype, dtype)
-    row = math.prod(layout.shape(1, model_args.n_kv_heads, 1, model_args.head_dim))
-    return model_args.n_layers * row * torch.empty((), dtype=layout.dtype).element_size()
+    shape = layout.shape(1, model_args.n_kv_heads, chunk_size, model_args.head_dim)
+    return math.prod(shape) * torch.empty((), dtype=layout.dtype).element_size()
+
+
+def kv_bytes_per_token(model_args, dtype, kv_dtype="auto", chunk_size=None):
+    """Bytes of K and V per position, all layers, as the chunks hold them (int8, int4: with the
+    scales); dtype is the compute dtype. What crosses a link per offloaded position. int4 keeps its
+    key scales per chunk, so its bytes per position depend on chunk_size (a float then)."""
+    if kv_dtype == "int4" and chunk_size is None:
+        raise ValueError("kv_bytes_per_token: int4's bytes per position depend on the chunk size; "
+                         "pass chunk_size")
+    C = chunk_size or 1
+    chunk = kv_chunk_bytes(model_args, dtype, kv_dtype, C)
+    if kv_dtype == "int4":
+        return model_args.n_layers * chunk / C
+    return model_args.n_layers * chunk // C
 
 
 # partials stacked per group merge: all of a decode step's, a few of a prefill chunk's
