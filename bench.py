@@ -165,7 +165,7 @@ def run_fresh(args, mode, ctx, new):
     """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs
     once, no warm-up)."""
     # every flag that shapes a run: the child must run what this process would have run
-    keep = ("ckpt", "device", "dtype", "quantize", "kv_dtype", "chunk_size", "window",
+    keep = ("ckpt", "device", "dtype", "quantize", "group_size", "kv_dtype", "chunk_size", "window",
             "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
             "rope_orig_ctx", "contexts", "new_tokens", "threads")
     flags = []
