@@ -88,28 +88,32 @@ class Int8Layout:
 
 class Int4Layout:
     """K and V at 4 bits, asymmetric (16 levels from a minimum to a maximum), as KIVI quantizes
-    them: values per token (a scale and a minimum per position and kv head), keys per channel over
-    the chunk's C positions (a scale and a minimum per channel), since a few key channels run far
-    larger than the rest in every token and would flatten a per-token scale. Measured on the demo
-    model (docs/quantization.md), per-channel keys keep more top-1 agreement than per-token ones.
+    them: values per token (a scale and a minimum per position and kv head), keys per channel (a
+    scale and a minimum per channel for each group of up to KEY_GROUP positions of the chunk),
+    since a few key channels run far larger than the rest in every token and would flatten a
+    per-token scale. Measured on the demo model (docs/quantization.md): per-channel keys keep more
+    top-1 agreement than per-token ones, and groups of 64 positions more than whole chunks of 512.
 
-    A channel's scale needs every key of the chunk, and the open chunk is written a few positions
-    at a time. As KIVI keeps its newest keys in full precision (its residual), the layout keeps
-    the open chunk's keys in the compute dtype beside it (`open_keys`, one [B, G, C, D] tensor per
-    open chunk, on the device), and the write that fills the chunk quantizes them per channel into
-    the chunk's bytes. The open chunk never leaves the device and a sealed chunk holds only its
-    packed bytes, so every tier moves and reads the same bytes; a resumed run recomputes its open
-    chunk with the first run's schedule (generate.py), so those keys are the same too.
+    A channel's scale needs the keys of every position of its group, and the open chunk is written
+    a few positions at a time. As KIVI keeps its newest keys in full precision (its residual), the
+    layout keeps the open chunk's keys in the compute dtype beside it (`open_keys`, one [B, G, C, D]
+    tensor per open chunk, on the device): attention reads those while the chunk is open, and the
+    write that fills the chunk quantizes them into its bytes. The open chunk never leaves the
+    device and a sealed chunk holds only its packed bytes, so every tier moves and reads the same
+    bytes; a resumed run recomputes its open chunk with the first run's schedule (generate.py), so
+    those keys are the same too.
 
     A chunk is one uint8 buffer [1, B, G, C, D + 4 + E], a row per position (one plane: keys and
     values share the row):
         keys, then values, two channels a byte (channel 2i in the low nibble)   D bytes
-        the values' scale and minimum, fp16 (a value past +-65504 is clipped)   4 bytes
-        an E-byte share of the chunk's key scales and minimums, fp32 [2, D]     E = 8D / C rounded
-                                                                                up to 4 bytes
-    fp32 for the keys (exact: a channel may sit far from zero), fp16 for the values, as llama.cpp's
-    q4_0. D=128, C=512: 0.266 of bf16's bytes. Dequantized to the compute dtype chunk by chunk,
-    right before attention."""
+        the values' scale and minimum, fp16                                     4 bytes
+        an E-byte share of the key scales and minimums, fp16 [groups, 2, D]     E bytes, 4 bytes
+                                                                                or more
+    fp16 as llama.cpp's q4_0 (a key or value past +-65504 is clipped). D=128, C=512: 0.273 of
+    bf16's bytes; D=64: 0.281. Dequantized to the compute dtype chunk by chunk, right before
+    attention."""
+
+    KEY_GROUP = 64  # positions per key scale
 
     def __init__(self, compute_dtype):
         self.dtype = torch.uint8              # what the store holds
@@ -122,10 +126,12 @@ class Int4Layout:
                              "use --kv-dtype int8")
         return (1, B, G, C, self.row_bytes(C, D))
 
-    @staticmethod
-    def row_bytes(C, D):
-        """D + 4 + E: E = 8D / C (the key params' share of a row) rounded up to 4 bytes."""
-        return D + 4 + 4 * -(-2 * D // C)
+    @classmethod
+    def row_bytes(cls, C, D):
+        """D + 4 + E: E the key params' share of a row, 4 bytes x groups x D / C, rounded up to 4
+        bytes."""
+        groups = -(-C // cls.KEY_GROUP)
+        return D + 4 + 4 * -(-groups * D // C)
 
     def sizes(self, chunk):
         """(C, D, E) of a chunk [1, B, G, C, D + 4 + E]: the row width grows with D, so one D
@@ -145,23 +151,23 @@ class Int4Layout:
         if off == 0:  # a new open chunk
             self.open_keys[ptr] = torch.empty(B, G, C, D, dtype=k.dtype, device=k.device)
         self.open_keys[ptr][:, :, off:off + T] = k
-        # values: one (scale, minimum) per position, rounded to fp16 before q is computed
-        x = v.float().clamp(-65504, 65504)                             # [B, G, T, D]
-        lo = x.amin(-1, keepdim=True).half().float()                   # [B, G, T, 1]
-        scale = ((x.amax(-1, keepdim=True) - lo) / 15).clamp_min(2 ** -24).half().float()
-        rows[..., D // 2:D] = pack_nibbles(levels(x, lo, scale))      # [B, G, T, D/2]
-        rows[..., D:D + 4] = torch.cat((scale, lo), -1).half().view(torch.uint8)  # [B, G, T, 4]
+        # values: one (scale, minimum) per position
+        q, params = quantize_fp16_params(v.float(), -1)                # [B, G, T, 1] params
+        rows[..., D // 2:D] = pack_nibbles(q)                          # [B, G, T, D/2]
+        rows[..., D:D + 4] = torch.cat(params, -1).view(torch.uint8)   # [B, G, T, 4]
         if off + T < C:
             return
-        # the chunk is full: its keys, per channel over the C positions
+        # the chunk is full: its keys, per channel over each group of positions
         x = self.open_keys.pop(ptr).float()                            # [B, G, C, D]
-        lo = x.amin(2, keepdim=True)                                   # [B, G, 1, D]
-        scale = ((x.amax(2, keepdim=True) - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-        chunk[0, :, :, :, :D // 2] = pack_nibbles(levels(x, lo, scale))  # [B, G, C, D/2]
+        groups = []
+        for start in range(0, C, self.KEY_GROUP):
+            q, params = quantize_fp16_params(x[:, :, start:start + self.KEY_GROUP], 2)
+            chunk[0, :, :, start:start + q.shape[2], :D // 2] = pack_nibbles(q)
+            groups.append(torch.cat(params, 2))                        # [B, G, 2, D] fp16
+        params = torch.stack(groups, 2).view(torch.uint8).view(B, G, -1)  # [B, G, groups * 4D]
         shares = chunk[0, :, :, :, D + 4:]                             # [B, G, C, E]
-        params = torch.cat((scale, lo), 2).view(B, G, 8 * D // 4).view(torch.uint8)  # [B, G, 8D]
         padded = torch.zeros(B, G, shares[0, 0].numel(), dtype=torch.uint8, device=x.device)
-        padded[..., :8 * D] = params
+        padded[..., :params.shape[-1]] = params
         shares.copy_(padded.view(shares.shape))
 
     def read(self, chunk, upto):
@@ -175,13 +181,31 @@ class Int4Layout:
         params = rows[..., D:D + 4].view(torch.float16).float()       # [B, G, upto, 2]
         v = torch.addcmul(params[..., 1:], q[..., 1, :], params[..., :1])  # [B, G, upto, D]
         if upto < C:
-            k = self.open_keys[chunk.data_ptr()][:, :, :upto]
-        else:
-            # [B, G, 8D]: a copy, 4-byte aligned whatever the row width
-            shares = rows[..., D + 4:].reshape(B, G, C * E)[..., :8 * D].clone()
-            scale, lo = shares.view(torch.float32).view(B, G, 2, 1, D).unbind(2)  # [B, G, 1, D]
-            k = torch.addcmul(lo, q[..., 0, :], scale)                 # [B, G, C, D] fp32
+            return self.open_keys[chunk.data_ptr()][:, :, :upto], v.to(self.compute_dtype)
+        n = -(-C // self.KEY_GROUP)
+        # [B, G, groups, 2, D]: a copy, aligned whatever the row width
+        shares = rows[..., D + 4:].reshape(B, G, C * E)[..., :n * 4 * D].clone()
+        scale, lo = shares.view(torch.float16).float().view(B, G, n, 2, 1, D).unbind(3)
+        k = torch.empty(B, G, C, D, device=chunk.device)
+        full = C // self.KEY_GROUP  # groups of KEY_GROUP positions; the last may be shorter
+        cut = full * self.KEY_GROUP
+        if full:
+            out = k[:, :, :cut].view(B, G, full, self.KEY_GROUP, D)
+            grouped = q[:, :, :cut, 0].view(B, G, full, self.KEY_GROUP, D)
+            torch.addcmul(lo[:, :, :full], grouped, scale[:, :, :full], out=out)
+        if cut < C:
+            torch.addcmul(lo[:, :, -1], q[:, :, cut:, 0], scale[:, :, -1], out=k[:, :, cut:])
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+
+def quantize_fp16_params(x, dim):
+    """x (fp32) -> (levels 0..15 uint8, (scale, minimum) fp16) over `dim`: the minimum and the
+    scale are rounded to fp16 before the levels are computed, so their storage adds no error beyond
+    the 4-bit rounding (and a clamp at the edges)."""
+    x = x.clamp(-65504, 65504)
+    lo = x.amin(dim, keepdim=True).half()
+    scale = ((x.amax(dim, keepdim=True) - lo.float()) / 15).clamp_min(2 ** -24).half()
+    return levels(x, lo.float(), scale.float()), (scale, lo)
 
 
 def levels(x, lo, scale):

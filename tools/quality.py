@@ -19,9 +19,10 @@ only; the numbers compare settings with each other, they do not say how good the
 
 With --passkey LENGTHS, a long-context check where KV precision bites: passkey retrieval (an
 instruction, filler text, "The pass key is N. Remember it. N is the pass key." at five depths, the
-question at the end), per KV format: how many keys the greedy answer starts with, and the mean
-log-probability of the key's tokens read teacher-forced (which moves even where the model never
-retrieves: the demo model, trained on 256-token windows, does not).
+question at the end), per KV format: how many keys the greedy answer starts with, the mean
+log-probability of the key's tokens read teacher-forced, and the top-1 agreement with the fp32
+model along the whole prompts and along as many tokens of real text (these move even where the
+model never retrieves: the demo model, trained on 256-token windows, does not).
 
     python tools/quality.py --variants int4,int4-kv --passkey 1024,4096
 """
@@ -268,15 +269,10 @@ def passkey_text(tok, n_tokens, depth, key):
     return INTRO + FILLER * before + needle + FILLER * (n - before) + QUESTION
 
 
-@torch.inference_mode()
-def passkey(model, tok, length, kv_dtype=None, chunk_size=512, new_tokens=8, seed=0):
-    """Five depths at one length: (keys retrieved, mean log-probability per key token, tokens of the
-    prompts). Retrieved: the greedy answer (run_task, offload none) starts with the key."""
+def passkey_prompts(tok, length, seed=0):
+    """Five (prompt ids, prompt + key ids, key) at one length, a depth each."""
     rng = random.Random(seed * 7919 + length)
-    hits = 0
-    logp = 0.0
-    n_key = 0
-    n_prompt = 0
+    out = []
     for depth in DEPTHS:
         key = str(rng.randint(10000, 99999))
         text = passkey_text(tok, length, depth, key)
@@ -284,31 +280,61 @@ def passkey(model, tok, length, kv_dtype=None, chunk_size=512, new_tokens=8, see
         full = tok.encode(f"{text} {key}")
         if full[:len(ids)] != ids:  # the answer must not merge into the question's last token
             raise ValueError("passkey: the key's tokens change the question's")
+        out.append((ids, full, key))
+    return out
+
+
+@torch.inference_mode()
+def passkey(model, tok, prompts, ref_top1, kv_dtype=None, chunk_size=512, new_tokens=8):
+    """One length's prompts (passkey_prompts): (keys retrieved, mean log-probability per key token,
+    top-1 agreement with ref_top1 along the prompts). Retrieved: the greedy answer (run_task,
+    offload none) starts with the key. ref_top1: per prompt, the reference's argmax [T] over
+    prompt + key."""
+    hits = 0
+    logp = 0.0
+    n_key = 0
+    agree = 0
+    n = 0
+    for (ids, full, key), ref in zip(prompts, ref_top1):
         new, _ = run_task(model, ids, new_tokens, chunk_size=chunk_size, cfg=OffloadConfig(),
                           kv_dtype=kv_dtype or "auto")
         answer = re.match(r"\s*(\d+)", tok.decode(new))
         hits += bool(answer) and answer.group(1) == key
+        logits = logits_of(model, full, kv_dtype, chunk_size, chunked=True)   # [T, V]
+        agree += (logits.argmax(-1) == ref).sum().item()
+        n += len(ref)
         # [key tokens, V]: the predictions of the key's tokens
-        logits = logits_of(model, full, kv_dtype, chunk_size, chunked=True)[len(ids) - 1:-1]
-        picked = logits.float().log_softmax(-1).gather(1, torch.tensor(full[len(ids):])[:, None])
-        logp += picked.sum().item()
+        on_key = logits[len(ids) - 1:-1].float().log_softmax(-1)
+        logp += on_key.gather(1, torch.tensor(full[len(ids):])[:, None]).sum().item()
         n_key += len(full) - len(ids)
-        n_prompt += len(ids)
-    return hits, logp / n_key, n_prompt // len(DEPTHS)
+    return hits, logp / n_key, agree / n
 
 
 def passkey_table(ckpt, variants, lengths, chunk_size=512):
-    """A row per variant and length."""
+    """A row per variant and length: passkey retrieval, and top-1 agreement with the fp32 model
+    (its KV as computed, through the same chunked path) along the passkey prompts and along as many
+    tokens of Python's documentation."""
     tok = Tokenizer(ckpt)
+    reference = Transformer.from_pretrained(ckpt, dtype=torch.float32)
+    prompts = {n: passkey_prompts(tok, n) for n in lengths}
+    docs = {n: pydoc_ids(tok, n) for n in lengths}
+
+    def top1(model, ids, kv_dtype):
+        return logits_of(model, ids, kv_dtype, chunk_size, chunked=True).argmax(-1)    # [T]
+    ref_top1 = {n: [top1(reference, full, None) for _, full, _ in prompts[n]] for n in lengths}
+    ref_docs = {n: top1(reference, docs[n], None) for n in lengths}
     rows = []
     for name in variants:
         model = load_variant(ckpt, name)
         kv_dtype = VARIANTS[name][2]
-        for length in lengths:
+        for n in lengths:
             with measured_layouts():
-                hits, logp, n = passkey(model, tok, length, kv_dtype, chunk_size)
-            rows.append({"variant": name, "length": length, "prompt_tokens": n, "hits": hits,
-                         "key_logprob": logp})
+                hits, logp, agree = passkey(model, tok, prompts[n], ref_top1[n], kv_dtype,
+                                            chunk_size)
+                on_docs = (top1(model, docs[n], kv_dtype) == ref_docs[n]).float().mean().item()
+            tokens = sum(len(ids) for ids, _, _ in prompts[n]) // len(DEPTHS)
+            rows.append({"variant": name, "length": n, "prompt_tokens": tokens, "hits": hits,
+                         "key_logprob": logp, "top1_agreement": agree, "top1_docs": on_docs})
     return rows
 
 
@@ -358,11 +384,12 @@ def main(argv=None):
               f"({r['greedy_tokens']} tokens) |")
     if lengths:
         print(f"\npasskey retrieval, {len(DEPTHS)} depths per length, chunk {args.passkey_chunk}\n")
-        print("| variant | prompt tokens | keys retrieved | mean log-prob per key token |\n"
-              "|---|---|---|---|")
+        print("| variant | prompt tokens | keys retrieved | mean log-prob per key token | top-1 "
+              "agreement with fp32: along the prompts | along as many tokens of pydoc |\n"
+              "|---|---|---|---|---|---|")
         for r in passkey_table(args.ckpt, pk_names, lengths, args.passkey_chunk):
             print(f"| {r['variant']} | {r['prompt_tokens']} | {r['hits']} of {len(DEPTHS)} | "
-                  f"{r['key_logprob']:.3f} |")
+                  f"{r['key_logprob']:.3f} | {r['top1_agreement']:.2%} | {r['top1_docs']:.2%} |")
     return 0
 
 
