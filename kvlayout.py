@@ -149,7 +149,8 @@ class Int4Layout:
         rows = chunk[0, :, :, off:off + T]                             # [B, G, T, D + 4 + E]
         ptr = chunk.data_ptr()
         if off == 0:  # a new open chunk
-            self.open_keys[ptr] = torch.empty(B, G, C, D, dtype=k.dtype, device=k.device)
+            self.open_keys[ptr] = torch.empty(B, G, C, D, dtype=self.compute_dtype,
+                                              device=k.device)
         self.open_keys[ptr][:, :, off:off + T] = k
         # values: one (scale, minimum) per position
         q, params = quantize_fp16_params(v.float(), -1)                # [B, G, T, 1] params

@@ -28,8 +28,8 @@ maximum (asymmetric, as gpt-fast and torch's tinygemm kernels store it: w = (q -
 q in 0..15, scale and zero bf16 per group). Asymmetric rather than symmetric because a group of 32
 to 128 weights is rarely centred on zero, and an offset costs nothing in the kernel; measured on the
 demo model (docs/quantization.md) it keeps 2.4 points more top-1 agreement than symmetric scales
-(max|w| / 7) with groups of 32, 2.0 with groups of 64. Half a byte a weight plus 4 bytes per group
-(g32: 0.625 bytes a weight).
+(max|w| / 7) with groups of 32. Half a byte a weight plus 4 bytes per group (g32: 0.625 bytes a
+weight, about a sixth of fp32).
 - CPU, a few rows: aten._weight_int4pack_mm_for_cpu, on weights packed once, while loading, by
   aten._convert_weight_to_int4pack_for_cpu (N a multiple of 16). Its packing is the only copy kept;
   the rows it interleaves are undone by unpack_cpu_kernel, checked on every tensor as it is packed.
@@ -167,12 +167,12 @@ def int4_kernel_status(device="cpu"):
     if torch.device(device).type == "cuda":
         if _INT4_CUDA_MM is None:
             return ("--quantize int4 on CUDA: this torch has no aten._weight_int4pack_mm, so "
-                    "every matmul dequantizes first (an eighth of the fp32 weight memory, slow)")
+                    "every matmul dequantizes first (a sixth of the fp32 weight memory, slow)")
         return ("--quantize int4 on CUDA: aten._weight_int4pack_mm for every matmul (untested "
                 "in this project's CI, which has no GPU)")
     if _INT4_CPU_MM is None:
         return (f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu: --quantize "
-                "int4 dequantizes in every matmul (an eighth of the fp32 weight memory, slow)")
+                "int4 dequantizes in every matmul (a sixth of the fp32 weight memory, slow)")
     return ("--quantize int4 on CPU: aten._weight_int4pack_mm_for_cpu for decode steps, "
             "dequantize-and-matmul for prefill chunks")
 
@@ -224,27 +224,32 @@ def unpack_int4(packed):
     return torch.stack((packed >> 4, packed & 15), -1).view(N, -1)   # [N, K/2, 2] -> [N, K]
 
 
-def _cpu_kernel_block_rows():
-    """Rows the CPU kernel packs together: 64 on AVX512, 32 on AVX2 (torch's int4mm_kernel.cpp);
-    None where it pairs neighbouring rows instead (other CPUs)."""
-    return {"AVX512": 64, "AVX2": 32}.get(torch.backends.cpu.get_cpu_capability())
+def _cpu_kernel_blocks():
+    """(rows the CPU kernel packs together, whether a full block pairs row j with row j + BN/2):
+    AVX512 (64, True), AVX2 (32, True), other x86 builds (32, False), as torch's int4mm_kernel.cpp
+    packs them. Another CPU may differ: Int4Linear.load_weight checks every tensor."""
+    return {"AVX512": (64, True), "AVX2": (32, True)}.get(
+        torch.backends.cpu.get_cpu_capability(), (32, False))
 
 
 def unpack_cpu_kernel(packed):
     """q [N, K] from aten._convert_weight_to_int4pack_for_cpu's packing [N, K/2]. Rows go in
-    blocks of BN (_cpu_kernel_block_rows), a block's bytes k by k: in a full block byte j of
-    feature k holds row j (low nibble) and row j + BN/2 (high); in a last, partial block (or with no
-    BN) it holds rows 2j and 2j + 1. A torch that packs otherwise is caught by the check in
+    blocks of BN (_cpu_kernel_blocks), a block's bytes k by k: byte j of feature k holds row j (low
+    nibble) and row j + BN/2 (high) in a full block on AVX512 and AVX2, rows 2j and 2j + 1 otherwise
+    and in a last, partial block. A torch that packs in another order is caught by the check in
     Int4Linear.load_weight, which then keeps the plain packing."""
     N, half = packed.shape
     K = 2 * half
     flat = packed.reshape(-1)
-    BN = _cpu_kernel_block_rows()
-    full = N // BN * BN if BN else 0  # rows in full blocks
+    BN, halves = _cpu_kernel_blocks()
+    full = N // BN * BN  # rows in full blocks
     parts = []
     if full:
         b = flat[:full * half].view(full // BN, K, BN // 2)          # [N/BN, K, BN/2]
-        rows = torch.cat((b & 15, b >> 4), -1)                       # [N/BN, K, BN]
+        if halves:
+            rows = torch.cat((b & 15, b >> 4), -1)                   # [N/BN, K, BN]
+        else:
+            rows = torch.stack((b & 15, b >> 4), -1).flatten(-2)     # [N/BN, K, BN]
         parts.append(rows.transpose(1, 2).reshape(full, K))          # [full, K]
     if full < N:
         b = flat[full * half:].view(K, (N - full) // 2)              # [K, (N - full)/2]
@@ -295,7 +300,7 @@ class Int4Linear(nn.Module):
     parameter in the model dtype."""
 
     def __init__(self, in_features, out_features, bias=False, device=None, dtype=None,
-                 group_size=32):
+                 group_size=INT4_DEFAULT_GROUP_SIZE):
         super().__init__()
         if in_features % group_size:
             raise ValueError(f"Int4Linear: group size {group_size} does not divide "

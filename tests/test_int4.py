@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 from argparse import Namespace
 
@@ -108,6 +109,31 @@ def test_cpu_kernel_packing_round_trips(N):
     packed = _INT4_CPU_PACK(q, 1)
     assert packed.shape == (N, 48) and packed.dtype == torch.uint8
     assert torch.equal(unpack_cpu_kernel(packed), q.to(torch.uint8))
+
+
+ROUND_TRIP = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import quantize
+for N in (16, 32, 48, 64, 80, 96, 192):
+    q = torch.randint(0, 16, (N, 64), dtype=torch.int32)
+    packed = quantize._INT4_CPU_PACK(q, 1)
+    assert torch.equal(quantize.unpack_cpu_kernel(packed), q.to(torch.uint8)), N
+print(torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_cpu_kernel_packing_round_trips_on_other_cpus(capability):
+    """The kernel packs rows in another order for each CPU capability torch dispatches to; forced
+    with ATEN_CPU_CAPABILITY (in a process of its own), unpack_cpu_kernel still undoes it."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    p = subprocess.run([sys.executable, "-c", ROUND_TRIP, ROOT], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    if p.stdout.strip() != capability.upper():
+        pytest.skip(f"this CPU runs {p.stdout.strip()}, not {capability}")
 
 
 @needs_kernel
@@ -299,6 +325,18 @@ def test_int4_layout_round_trip():
     assert not torch.equal(k2, k), "int4 must round something"
     # a copy of the bytes reads the same: a read is a function of the bytes alone
     assert all(torch.equal(a, b) for a, b in zip(layout.read(chunk.clone(), C), (k2, v2)))
+
+
+def test_int4_layout_reads_the_compute_dtype_whatever_is_written():
+    """As PlainLayout: fp32 written into a bf16 cache (the probe's synthetic K and V) reads back as
+    bf16, open chunk and sealed alike."""
+    layout = Int4Layout(torch.bfloat16)
+    _, (chunk,) = alloc_chunks(1, layout.shape(1, 2, 4, 8), layout.dtype, "cpu")
+    kv = torch.randn(2, 1, 2, 4, 8)
+    layout.write(chunk, 0, kv[0, :, :, :2], kv[1, :, :, :2])
+    assert all(x.dtype == torch.bfloat16 for x in layout.read(chunk, 2))
+    layout.write(chunk, 2, kv[0, :, :, 2:], kv[1, :, :, 2:])
+    assert all(x.dtype == torch.bfloat16 for x in layout.read(chunk, 4))
 
 
 def test_int4_layout_refuses_an_odd_head_dim():
