@@ -187,7 +187,7 @@ class Int4Layout:
         # [B, G, groups, 2, D]: a copy, aligned whatever the row width
         shares = rows[..., D + 4:].reshape(B, G, C * E)[..., :n * 4 * D].clone()
         scale, lo = shares.view(torch.float16).float().view(B, G, n, 2, 1, D).unbind(3)
-        k = torch.empty(B, G, C, D, device=chunk.device)
+        k = torch.empty(B, G, C, D, dtype=torch.float32, device=chunk.device)
         full = C // self.KEY_GROUP  # groups of KEY_GROUP positions; the last may be shorter
         cut = full * self.KEY_GROUP
         if full:

@@ -542,3 +542,41 @@ def test_tuner_falls_back_to_smaller_kv_when_nothing_fits():
     live = [c for c in cands if not c.pruned]
     assert args.kv_dtype == "int4" and live and all(c.window == 0 for c in live)
     assert args.kv_dtype_why.startswith("no configuration with --kv-dtype auto fits the budgets")
+
+
+# -----------------------------------------------------------------------------
+# CUDA: written, not run on the build machine (no GPU); scripts/gpu_check.sh runs these
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_cuda_int4_kernel_agrees_with_the_reference(M):
+    """aten._weight_int4pack_mm on the tinygemm packing against x @ W^T in fp64, W from the same
+    integers (quantized on the device, then read back)."""
+    gen = torch.Generator().manual_seed(M)
+    w = (torch.randn(256, 512, generator=gen) * 512 ** -0.5).cuda()
+    layer = Int4Linear(512, 256, group_size=32)
+    layer.load_weight(w)
+    assert layer.packing == "cuda", quantize.int4_kernel_status("cuda")
+    q, sz = quantize_weight_int4(w, 32)
+    x = torch.randn(M, 512, generator=gen).bfloat16().cuda()
+    expected = x.double().cpu() @ reference_dequantize(q.cpu(), sz.cpu(), 32).T
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.device.type == "cuda"
+    tol = 2 ** -7 * expected.abs().max().item() * 2
+    assert (y.double().cpu() - expected).abs().max().item() < tol
+
+
+@needs_cuda
+def test_cuda_int4_weights_and_kv_offloaded_bit_identical(tmp_path):
+    """The demo model on CUDA with int4 weights and int4 KV: every tier gives the tokens and
+    logits of --offload none."""
+    model = Transformer.from_pretrained(DEMO, device="cuda", dtype=torch.bfloat16,
+                                        quantize="int4-g32")
+    ids = prompt(300, model.args.vocab_size, seed=9)
+    base = run(model, ids, 20, 16)
+    for mode, compress in MODES:
+        other = run(model, ids, 20, 16, mode, compress, 0, tmp_path)
+        assert_identical(base, other, f"cuda int4 {mode}+{compress}")
