@@ -45,6 +45,7 @@ from cli import (
     UsageError,
     add_measure_flags,
     check_measure,
+    check_shapes,
     one_line_errors,
     quantize_mode,
     read_model_args,
@@ -410,6 +411,7 @@ def main(argv=None):
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
+        check_shapes(args, model_args)  # --quantize int4, --kv-dtype int4: before any weight
         if max(contexts) + args.new_tokens > model_args.max_context:
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens} "
                              "is past the model's maximum context of "

@@ -237,10 +237,13 @@ def check_shapes(args, model_args):
     """What --quantize int4 and --kv-dtype refuse of the model's shapes, before any weight is read:
     a group size that does not divide a layer's input features, a head_dim the layout cannot
     pack."""
-    if args.quantize == "int4":
-        check_int4_shapes(model_args, args.group_size)
-    layout = chunk_layout(args.kv_dtype, DTYPES[args.dtype])
-    layout.shape(1, model_args.n_kv_heads, args.chunk_size, model_args.head_dim)
+    try:
+        if args.quantize == "int4":
+            check_int4_shapes(model_args, args.group_size)
+        layout = chunk_layout(args.kv_dtype, DTYPES[args.dtype])
+        layout.shape(1, model_args.n_kv_heads, args.chunk_size or 1, model_args.head_dim)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def one_line_errors(p):
@@ -484,8 +487,9 @@ def main(argv=None):
                             quantize_mode(args))
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
-        if int4_fallbacks(model):
-            log(int4_fallbacks(model))
+        fallbacks = int4_fallbacks(model)  # int4 layers no kernel takes: said once
+        if fallbacks:
+            log(fallbacks)
         # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting
         # that changes the KV they make (only the disk tier and the KV store reuse KV, so only they
         # pay for hashing the weights)

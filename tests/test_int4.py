@@ -486,6 +486,19 @@ def test_generate_refuses_in_one_line(text_ckpt, capsys, flags, words):
     assert err.count("\n") == 0 and words in err, err
 
 
+@pytest.mark.parametrize("script", ["bench", "probe", "verify", "tune"])
+def test_the_other_scripts_refuse_in_one_line(text_ckpt, tmp_path, capsys, script):
+    """The same refusal from every script that loads a model, before any weight is read."""
+    import importlib
+    main = importlib.import_module(script).main
+    flags = {"bench": ["--contexts", "64", "--modes", "none"], "probe": ["--contexts", "64"],
+             "verify": [], "tune": ["--context", "64"]}[script]
+    rc = main(["--ckpt", text_ckpt, "--quantize", "int4", "--group-size", "128", "--offload-dir",
+               str(tmp_path), *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "--group-size 128 does not divide" in err, err
+
+
 def test_generate_refuses_int4_kv_for_an_odd_head_dim(tmp_path, capsys):
     """Before any weight is read: a config alone is enough."""
     hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 60, "num_hidden_layers": 1,
