@@ -45,6 +45,7 @@ from cli import (
     UsageError,
     add_measure_flags,
     check_measure,
+    check_shapes,
     one_line_errors,
     quantize_mode,
     read_model_args,
@@ -255,7 +256,7 @@ def run_fresh(args, mode, ctx, new):
     """(ids, stats) of one run in a new process (--child-run: it loads only its model and runs
     once, no warm-up)."""
     # every flag that shapes a run: the child must run what this process would have run
-    keep = ("ckpt", "device", "dtype", "quantize", "kv_dtype", "chunk_size", "window",
+    keep = ("ckpt", "device", "dtype", "quantize", "group_size", "kv_dtype", "chunk_size", "window",
             "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
             "rope_orig_ctx", "contexts", "new_tokens", "threads")
     flags = []
@@ -510,6 +511,7 @@ def main(argv=None):
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
+        check_shapes(args, model_args)  # --quantize int4, --kv-dtype int4: before any weight
         if max(contexts) + args.new_tokens > model_args.max_context:
             refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "

@@ -25,7 +25,7 @@ from batch import run_batch
 from batcher import Batcher
 from checkpoint import CheckpointError, read_config
 from generate import SEED_LIMIT, Sampling
-from kvlayout import KV_DTYPES
+from kvlayout import KV_DTYPES, chunk_layout
 from kvstore import KVStore, StoreError
 from model import ModelArgs
 from monitor import Monitor, progress_line
@@ -34,7 +34,14 @@ from policy import SELECTIONS
 from pools import OffloadError
 from private import PrivateError, create_private, make_private_dir
 from progress import Progress
-from quantize import kernel_status
+from quantize import (
+    INT4_DEFAULT_GROUP_SIZE,
+    INT4_GROUP_SIZES,
+    check_int4_shapes,
+    int4_fallbacks,
+    int4_kernel_status,
+    kernel_status,
+)
 from random_model import PRESETS, parse_model_spec
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
@@ -97,6 +104,7 @@ class UsageError(ValueError):
 def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     """The flags every script takes; chunk_size and window are its defaults (None: set later)."""
     cuda = torch.cuda.is_available()
+    kind = "cuda" if cuda else "cpu"
     p.add_argument("--ckpt", help=ckpt_help)
     p.add_argument("--chunk-size", type=int, default=chunk_size,
                    help=f"positions per KV chunk, the unit of transfer, cut to a task's length "
@@ -118,15 +126,20 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     p.add_argument("--device", default="cuda" if cuda else "cpu",
                    help="cpu or cuda (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES,
-                   help="compute and KV dtype (default fp32; bf16 with --quantize int8, the "
-                   "fastest here: the CPU int8 kernel takes bf16 activations)")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none",
-                   help="int8: weight-only int8 for every linear layer, quantized while loading "
-                   "(lossy; offload stays "
-                   "bit-identical). " + kernel_status("cuda" if cuda else "cpu"))
+                   help="compute and KV dtype (default fp32; bf16 with --quantize int8 or int4, "
+                   "the fastest here: the CPU kernels take bf16 activations)")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="weight-only int8 (a scale per output channel) or int4 (groups of "
+                   "--group-size input features) for every linear layer, quantized while loading "
+                   "(lossy; offload stays bit-identical). " + kernel_status(kind) + ". "
+                   + int4_kernel_status(kind))
+    p.add_argument("--group-size", type=int, choices=INT4_GROUP_SIZES,
+                   help="with --quantize int4: input features per scale and zero (default "
+                   f"{INT4_DEFAULT_GROUP_SIZE}; it must divide every layer's input features)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="how the KV cache is held: auto = as --dtype; int8 = quantized per token "
-                   "and kv head, about half of bf16's bytes in every tier and link (lossy; offload "
+                   "and kv head, about half of bf16's bytes in every tier and link; int4 = keys "
+                   "per channel within a chunk, values per token, about a quarter (lossy; offload "
                    "stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
@@ -169,7 +182,11 @@ def check_common(args, needs_disk):
     """The checks behind add_common_flags, in one place. needs_disk: the run writes the disk."""
     # one rule for every script: what runs fastest with the weights as they are held
     if args.dtype is None:
-        args.dtype = "bf16" if args.quantize == "int8" else "fp32"
+        args.dtype = "bf16" if args.quantize != "none" else "fp32"
+    if args.group_size is not None and args.quantize != "int4":
+        raise UsageError("--group-size goes with --quantize int4")
+    if args.quantize == "int4" and args.group_size is None:
+        args.group_size = INT4_DEFAULT_GROUP_SIZE
     checks = [
         (args.chunk_size is None or args.chunk_size > 0,
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
@@ -276,7 +293,9 @@ def rope_override(args):
 
 
 def quantize_mode(args):
-    """from_pretrained's quantize: None or "int8"."""
+    """from_pretrained's quantize: None, "int8" or "int4-g<group size>"."""
+    if args.quantize == "int4":
+        return f"int4-g{args.group_size}"
     return None if args.quantize == "none" else args.quantize
 
 
@@ -288,6 +307,19 @@ def run_fingerprint(ckpt, args):
     return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype,
                                    rope=rope_override(args), quantize=quantize_mode(args),
                                    kv_dtype=kv_dtype)
+
+
+def check_shapes(args, model_args):
+    """What --quantize int4 and --kv-dtype refuse of the model's shapes, before any weight is read:
+    a group size that does not divide a layer's input features, a head_dim the layout cannot
+    pack."""
+    try:
+        if args.quantize == "int4":
+            check_int4_shapes(model_args, args.group_size)
+        layout = chunk_layout(args.kv_dtype, DTYPES[args.dtype])
+        layout.shape(1, model_args.n_kv_heads, args.chunk_size or 1, model_args.head_dim)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def one_line_errors(p):
@@ -551,6 +583,7 @@ def generate_main(args):
                 print(msg, file=sys.stderr, flush=True)
 
         model_args = read_model_args(args.ckpt, args)
+        check_shapes(args, model_args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so "
@@ -574,6 +607,9 @@ def generate_main(args):
         batcher = Batcher(model) if args.batch_size > 1 else None
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
+        fallbacks = int4_fallbacks(model)  # int4 layers no kernel takes: said once
+        if fallbacks:
+            log(fallbacks)
         # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting
         # that changes the KV they make (only the disk tier and the KV store reuse KV, so only they
         # pay for hashing the weights)
@@ -581,7 +617,7 @@ def generate_main(args):
         if cfg.mode == "disk" or args.kv_store:
             fingerprint = run_fingerprint(args.ckpt, args)
         run_config = {
-            "ckpt": args.ckpt, "dtype": args.dtype, "quantize": args.quantize,
+            "ckpt": args.ckpt, "dtype": args.dtype, "quantize": quantize_mode(args) or "none",
             "kv_dtype": args.kv_dtype, "chunk_size": args.chunk_size,
             "offload": cfg.mode, "window": cfg.window, "compress": cfg.compress,
             "max_context": model.args.max_context, "rope_scaling": model.args.rope_scaling or None,

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, check_config, iter_checkpoint, read_config
-from quantize import Int8Linear, quantize_linears
+from quantize import QUANTIZED_LINEARS, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 from rowwise import linear
 
@@ -298,7 +298,8 @@ class Transformer(nn.Module):
         inv_freq = rope_inv_freq(model_args)  # [D/2] fp32
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_factor = rope_attention_factor(model_args)
-        self.quantize = None  # "int8" when from_pretrained quantized the linears (quantize.py)
+        # "int8" or "int4-g<N>" when from_pretrained quantized the linears (quantize.py)
+        self.quantize = None
 
     def forward(self, tokens, cache=None, last_only=False):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and
@@ -335,8 +336,8 @@ class Transformer(nn.Module):
                         quantize=None):
         """Build on the meta device, then assign tensors read by safetensors (peak memory ~1x the
         weights). rope_override: (kind, factor, orig_ctx or None) to stretch RoPE past the trained
-        context, see ModelArgs.with_rope_override. quantize="int8": linear weights are quantized as
-        they arrive (quantize.py), one tensor at a time."""
+        context, see ModelArgs.with_rope_override. quantize="int8" or "int4-g32" (64, 128): linear
+        weights are quantized as they arrive (quantize.py), one tensor at a time."""
         # checked against the weights' headers before anything is built from it
         model_args = ModelArgs.from_config(*read_config(ckpt_dir))
         if rope_override is not None:
@@ -345,7 +346,7 @@ class Transformer(nn.Module):
             model = cls(model_args)
         # what the checkpoint must hold, and shapes
         params = dict(model.named_parameters(remove_duplicate=False))
-        # Int8Linear (still on meta) in place of nn.Linear; no-op for None
+        # Int8Linear or Int4Linear (still on meta) in place of nn.Linear; no-op for None
         quantize_linears(model, quantize)
         model.quantize = quantize  # part of what the KV depends on: belongs in a run's fingerprint
         tied = model_args.tie_embeddings
@@ -356,17 +357,18 @@ class Transformer(nn.Module):
                 continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
-            if isinstance(module, Int8Linear) and attr == "weight":
+            if isinstance(module, QUANTIZED_LINEARS) and attr == "weight":
                 # the full-precision tensor is dropped right after
                 module.load_weight(tensor.to(device))
             else:
                 setattr(module, attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
-            if tied and name == "tok_embeddings.weight" and isinstance(model.output, Int8Linear):
-                # tied: the output is an int8 copy of the embedding
+            quantized_output = isinstance(model.output, QUANTIZED_LINEARS)
+            if tied and name == "tok_embeddings.weight" and quantized_output:
+                # tied: the output is a quantized copy of the embedding
                 model.output.load_weight(tensor.to(device))
             loaded.add(name)
         check_complete(params, loaded, model_args, ckpt_dir)
-        if tied and not isinstance(model.output, Int8Linear):
+        if tied and not isinstance(model.output, QUANTIZED_LINEARS):
             # re-tie: the tie was made on the meta device
             model.output.weight = model.tok_embeddings.weight
         model.inv_freq = rope_inv_freq(model_args).to(device)

@@ -33,6 +33,7 @@ from cli import (
     UsageError,
     add_measure_flags,
     check_measure,
+    check_shapes,
     one_line_errors,
     quantize_mode,
     read_model_args,
@@ -42,7 +43,7 @@ from cli import (
 from disk import DiskError
 from generate import decode_one_token, prefill
 from kvcache import make_cache
-from kvlayout import kv_bytes_per_token
+from kvlayout import kv_bytes_per_token, kv_chunk_bytes
 from model import Transformer
 from offload import OffloadConfig
 from policy import plan_tiers
@@ -79,10 +80,9 @@ def median_time(fn, device="cpu", reps=5):
 
 
 def chunk_bytes(model_args, args, C):
-    """Bytes of one chunk of one layer: K and V of C positions (with --kv-dtype int8, the scales
-    too)."""
-    per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype)
-    return per_token // model_args.n_layers * C
+    """Bytes of one chunk of one layer: K and V of C positions (with --kv-dtype int8 or int4, the
+    scales too)."""
+    return kv_chunk_bytes(model_args, DTYPES[args.dtype], args.kv_dtype, C)
 
 
 # -----------------------------------------------------------------------------
@@ -106,7 +106,8 @@ def describe(args, model_args, contexts, modes):
     """The configuration a JSON report carries: every flag, the model's shape, its KV per token."""
     shape = (model_args.dim, model_args.n_layers, model_args.n_heads, model_args.n_kv_heads,
              model_args.head_dim, model_args.hidden_dim, model_args.vocab_size)
-    kv_per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype)
+    kv_per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype,
+                                      args.chunk_size)
     flags = {k: v for k, v in vars(args).items() if k != "sizes"}
     return flags | {"contexts": contexts, "modes": modes, "kv_bytes_per_token": kv_per_token,
                     "model": dict(zip(SIZE_KEYS, shape))}
@@ -434,7 +435,7 @@ def verdict(cal, args, model_args, contexts, modes, cuda):
     """Plain words: will offload pay on this machine?"""
     ctx = max(contexts)
     link = cal["link_gbps"]
-    kv = ctx * kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype)
+    kv = ctx * kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype, args.chunk_size)
     pred = {m: predict_decode(cal, ctx, m, args, model_args, cuda) for m in ["none"] + modes}
     ratios = [f"{m} {pred[m] / pred['none']:.2f}x" for m in modes if m != "none" and pred[m]]
     out = [f"Predicted decode at {ctx} tokens relative to --offload none: {', '.join(ratios)}."]
@@ -486,7 +487,8 @@ def report(machine, cal, args, model_args, contexts, modes, cuda):
                 f"{machine['device_free_gib']} of {machine['device_total_gib']} GiB free")
         if not cuda:
             gpus += " (not used: --device cpu)"
-    kv_per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype)
+    kv_per_token = kv_bytes_per_token(model_args, DTYPES[args.dtype], args.kv_dtype,
+                                      args.chunk_size)
     links = ", ".join(f"{k} {v:.2f}" for k, v in cal["link_gbps"].items())
     steps = ", ".join(f"{s * 1e3:.2f} ms with {n} sealed chunks"
                       for n, s in cal["step_at_s"].items())
@@ -545,6 +547,7 @@ def main(argv=None):
             args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
+        check_shapes(args, model_args)  # --quantize int4, --kv-dtype int4: before any weight
         if max(contexts) + args.new_tokens > model_args.max_context:
             refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
             raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "

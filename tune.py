@@ -13,6 +13,8 @@ It follows the order in which KV offload is usually tuned, one knob per step:
     3. compression: the disk tier with and without zstd;
     4. prefetch: 2, 4 and 8 staging slots for the winner, where chunks are staged at all (CUDA, or
        zstd).
+If no configuration fits the budgets with the KV as --kv-dtype holds it, the steps run again with
+int8 KV, then int4 (lossy, half and a quarter of bf16's bytes), and the recommendation says so.
 Each candidate is predicted first (probe.py, from this machine's costs measured twice); one
 predicted under half the best is pruned, and said so. The rest are measured (bench.run_ours), the
 close ones again. The recommendation is the fastest measured decode within both budgets, or one
@@ -178,6 +180,30 @@ def candidates(model_args, args, cuda):
     return out
 
 
+# when no configuration fits the budgets with the KV as computed: the lossy formats to try, in order
+KV_LADDER = {"auto": ("auto", "int8", "int4"), "int8": ("int8", "int4"), "int4": ("int4",)}
+
+
+def fitting_candidates(model_args, args, cuda, free_disk):
+    """Steps 1-3 at --kv-dtype, with disk tiers past free_disk bytes pruned. If none fits the
+    budgets, the same with a smaller KV: int8, then int4 (lossy; about half, then a quarter of
+    bf16's bytes), and args.kv_dtype and args.kv_dtype_why say which and why."""
+    asked = args.kv_dtype
+    for kv_dtype in KV_LADDER[asked]:
+        args.kv_dtype = kv_dtype
+        cands = candidates(model_args, args, cuda)
+        for c in cands:
+            if not c.pruned and c.kv["disk"] > free_disk:
+                c.pruned = (f"the disk tier needs {c.kv['disk'] / MiB:,.0f} MiB, "
+                            f"{args.offload_dir} has {free_disk / MiB:,.0f}")
+        if any(not c.pruned for c in cands):
+            break
+    if args.kv_dtype != asked:
+        args.kv_dtype_why = (f"no configuration with --kv-dtype {asked} fits the budgets; with "
+                             f"--kv-dtype {args.kv_dtype} (lossy: tools/quality.py) one does")
+    return cands
+
+
 def as_args(args, c):
     """The namespace bench.run_ours, probe.calibrate and probe.predict_decode read, for one
     candidate."""
@@ -193,9 +219,9 @@ def search(model, model_args, args, log):
     cuda = probe.is_cuda(args.device)
     ctx = args.context
     weights = weight_bytes(model)
-    cands = candidates(model_args, args, cuda)
-    modes = ["disk+zstd"] if any(c.compress == "zstd" for c in cands) else []
     free = shutil.disk_usage(args.offload_dir).free
+    cands = fitting_candidates(model_args, args, cuda, free)
+    modes = ["disk+zstd"] if any(c.compress == "zstd" for c in cands) else []
     sizes = sorted({c.chunk_size for c in cands if not c.pruned})
     cals = {C: [] for C in sizes}
     pfits = {C: [] for C in sizes}
@@ -215,9 +241,6 @@ def search(model, model_args, args, log):
         c_args = as_args(args, c)
         c.pred_decode = probe.predict_decode(cal, ctx, c.mode, c_args, model_args, cuda)
         c.pred_prefill = probe.predict_prefill(fit, cal, ctx, c.mode, c_args, model_args)
-        if c.kv["disk"] > free:
-            c.pruned = (f"the disk tier needs {c.kv['disk'] / MiB:,.0f} MiB, {args.offload_dir} "
-                        f"has {free / MiB:,.0f}")
     live = [c for c in cands if not c.pruned and c.pred_decode]
     best_pred = max(c.pred_decode for c in live)
     for c in live:
@@ -338,6 +361,8 @@ def command(c, args):
     cmd += ["--device", args.device, "--dtype", args.dtype]
     if args.quantize != "none":
         cmd += ["--quantize", args.quantize]
+    if args.quantize == "int4":
+        cmd += ["--group-size", args.group_size]
     if args.rope_scaling:
         cmd += ["--rope-scaling", args.rope_scaling, "--rope-factor", args.rope_factor]
     if args.rope_orig_ctx:
@@ -571,6 +596,8 @@ def main(argv=None):
         return 2
     finally:
         remove_created_offload_dir(args)  # as generate.py does: the printed command makes it again
+    if getattr(args, "kv_dtype_why", None):
+        why = f"{args.kv_dtype_why}; {why}"
     kv_total = whole_kv(model_args, args, rec.chunk_size, probe.is_cuda(args.device))
     n_measured = sum(bool(c.runs) for c in cands)
     n_pruned = sum(bool(c.pruned) for c in cands)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU, in one go, in under 8 minutes:
-#   1. the CUDA tests (stream ordering, bit-identity, peak device memory, int8 KV) and the emulated
-#      ones
+#   1. the CUDA tests (stream ordering, bit-identity, peak device memory, int8 KV, int4 weights
+#      and KV) and the emulated ones
 #   2. probe.py: links (pinned/pageable H2D, D2H, both at once), disk, prediction, verdict
 #   3. bench.py on a KV-heavy random model (Llama-2-7B shape cut to 8 layers, bf16: 128 KiB of KV
 #      per token, 4 GiB at 32K) for none/cpu/disk, without and with --vs-hf (transformers'
@@ -77,6 +77,8 @@ COMMON=(--device cuda --dtype bf16 --offload-dir "$KV" --chunk-size 512 --window
 
 step pytest_cuda 90 "$PY" -m pytest -q -rs tests/test_offload.py tests/test_cuda_emulated.py \
     tests/test_kv_int8.py
+# the int4 CUDA path (aten._weight_int4pack_mm), never run on the build machine
+step pytest_cuda_int4 60 "$PY" -m pytest -q -rs tests/test_int4.py -k cuda
 
 # model_flags is meant to split into words (paths have no spaces: mktemp)
 # shellcheck disable=SC2046

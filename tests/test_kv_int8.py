@@ -99,7 +99,7 @@ def test_int8_chunk_is_about_half_of_bf16():
     assert kv_bytes_per_token(model_args, torch.bfloat16) == 2 * 32 * G * D * 2 == 128 * 1024
     assert kv_bytes_per_token(model_args, torch.bfloat16, "int8") == 32 * 2 * G * (D + 4)
     with pytest.raises(ValueError, match="--kv-dtype"):
-        chunk_layout("int4", torch.float32)
+        chunk_layout("int2", torch.float32)
 
 
 # -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """
-Decode speed of int8 weights against bf16, on a random model of the SmolLM2-135M shape (30 layers,
-E 576, 9 heads, 3 kv heads, D 64, F 1536, V 49152, tied embeddings), all in one process and
+Decode speed of int8 and int4 weights against bf16, on a random model of the SmolLM2-135M shape
+(30 layers, E 576, 9 heads, 3 kv heads, D 64, F 1536, V 49152, tied embeddings), all in one process,
 interleaved so that a busy machine slows every variant alike. Each run is task.run_task with
 OffloadConfig() (no offload), as bench.py runs ours.
 
@@ -14,7 +14,10 @@ busy machine).
 
 Variants: bf16 (no quantization), int8 (block linears and the output matrix), int8-blocks (block
 linears only, the output shares the bf16 embedding): the last one is why quantize.py quantizes the
-output matrix too.
+output matrix too; int4 and int4-g64 (--quantize int4, group size 32 or 64). The ratios are against
+the first variant named:
+
+    python tools/int8_speed.py --variants int8,int4,bf16 --threads 2,1 --repeats 5
 """
 import argparse
 import json
@@ -35,6 +38,9 @@ from quantize import weight_bytes  # noqa: E402
 from random_model import build_random_checkpoint  # noqa: E402
 from task import run_task  # noqa: E402
 
+# name -> from_pretrained's quantize
+VARIANTS = {"bf16": None, "int8": "int8", "int8-blocks": "int8", "int4": "int4-g32",
+            "int4-g64": "int4-g64"}
 SMOLLM2_135M = dict(dim=576, layers=30, heads=9, kv_heads=3, head_dim=64, hidden=1536, vocab=49152)
 
 
@@ -81,7 +87,7 @@ def run_once(model, ids, new_tokens, chunk_size):
 def load_variants(ckpt, names):
     models = {}
     for name in names:
-        q = None if name == "bf16" else "int8"
+        q = VARIANTS[name]
         m = Transformer.from_pretrained(ckpt, dtype=torch.bfloat16, quantize=q)
         if name == "int8-blocks":  # put back the tied bf16 output matrix
             m.output = nn.Linear(m.args.dim, m.args.vocab_size, bias=False, device="meta")
@@ -101,7 +107,8 @@ def main(argv=None):
     p.add_argument("--threads", default="2,1",
                    help="torch thread counts, comma separated (default 2,1)")
     p.add_argument("--variants", default="bf16,int8,int8-blocks",
-                   help="comma list (default all three)")
+                   help=f"comma list of {list(VARIANTS)}, the first the baseline of the ratios "
+                   "(default bf16,int8,int8-blocks)")
     p.add_argument("--chunk-size", type=int, default=512,
                    help="positions per KV chunk (default 512)")
     args = p.parse_args(argv)
@@ -144,9 +151,10 @@ def run(args, threads, names, tmp):
     print(f"\nSmolLM2-135M shape (random, tied), context {args.context}, {args.new_tokens} new "
           f"tokens, chunk {args.chunk_size}, offload none, median of {args.repeats}; torch "
           f"{torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()}\n")
-    print("| threads | weights | weight MiB | prefill tok/s | decode tok/s (min-max) | vs bf16 | "
-          "decode tok per CPU s (min-max) | vs bf16 | fastest step tok/s | vs bf16 | greedy ids = "
-          "bf16 |\n" + "|---" * 11 + "|")
+    first = names[0]  # the ratios are against the first variant
+    print(f"| threads | weights | weight MiB | prefill tok/s | decode tok/s (min-max) | vs {first} "
+          f"| decode tok per CPU s (min-max) | vs {first} | fastest step tok/s | vs {first} | "
+          f"greedy ids = {first} |\n" + "|---" * 11 + "|")
     for n in threads:
         base = runs[(n, names[0])]
         for name in names:
