@@ -271,6 +271,39 @@ def run_fresh(args, mode, ctx, new):
     return json.loads(p.stdout.splitlines()[-1])
 
 
+def run_contention(args, ctx, mode):
+    """{"quiet"|"busy": [stats]}: the same run, each in a fresh process as a user starts it, quiet
+    and beside a busy loop (another process that never sleeps, holding a core as a user's other
+    work would), interleaved --repeats times."""
+    runs = {"quiet": [], "busy": []}
+    for rep in range(args.repeats):
+        for state in ("quiet", "busy") if rep % 2 == 0 else ("busy", "quiet"):
+            busy = None
+            if state == "busy":
+                busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                _, st = run_fresh(args, mode, ctx, args.new_tokens)
+            finally:
+                if busy is not None:
+                    busy.kill()
+                    busy.wait()
+            runs[state].append(st)
+            print(f"repeat {rep + 1}/{args.repeats} {state:<5} prefill "
+                  f"{st['prefill_tokens_per_s']:9.1f} tok/s  decode "
+                  f"{st['decode_tokens_per_s']:8.2f} tok/s", file=sys.stderr)
+    return runs
+
+
+def contention_table(runs):
+    """Markdown: prefill and decode quiet, beside a busy loop, and the share kept."""
+    lines = ["| | quiet tok/s | beside a busy loop tok/s | kept |", "|---|---|---|---|"]
+    for key, name in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
+        quiet = statistics.median(r[key] for r in runs["quiet"])
+        busy = statistics.median(r[key] for r in runs["busy"])
+        lines.append(f"| {name} | {quiet:,.1f} | {busy:,.1f} | {busy / quiet:.0%} |")
+    return "\n".join(lines)
+
+
 def child_run(args, contexts, vocab_size, dtype):
     mode, ctx, new = args.child_run.split(":")
     ids = make_prompts(vocab_size, contexts)[int(ctx)]
@@ -461,6 +494,10 @@ def build_parser():
                    help="runs of each context and mode, medians reported (default %(default)s)")
     p.add_argument("--vs-hf", action="store_true",
                    help="also run transformers (DynamicCache; on CUDA also offloaded)")
+    p.add_argument("--contention", action="store_true",
+                   help="the first --contexts and --modes, each run in a fresh process, quiet and "
+                   "beside a busy loop on one core (interleaved, median of --repeats): how much of "
+                   "its speed a run keeps when another process holds a core")
     p.add_argument("--fresh-process", action="store_true",
                    help="run each context and mode, ours and transformers', once in a process of "
                    "its own, cold (default: all in this process, after a warm-up)")
@@ -547,6 +584,13 @@ def main(argv=None):
             if cuda:
                 line += f", {kernels:.2f} kernels"
             print(line)
+        elif args.contention:
+            runs = run_contention(args, contexts[0], modes[0])
+            print(f"{args.ckpt} {config['model']}, {args.dtype}, {modes[0]} at {contexts[0]} "
+                  f"tokens, {args.new_tokens} new tokens, fresh processes, median of "
+                  f"{args.repeats}; {machine['date']}, {machine['cpu_count']} CPUs, threads "
+                  f"{args.threads or 'default'}\n\n{contention_table(runs)}")
+            report = {"machine": machine, "config": config, "contention": runs}
         elif args.kv_store:
             rows = run_reuse(model, args, contexts)
             lines = ["| prompt tokens | mode | cold TTFT s | warm TTFT s | speedup | reused tokens "

@@ -81,7 +81,7 @@ the reading order, the docs and what each number means: README.md"""
 # is skipped: the selection flags --select, --select-budget, --select-dense have their place)
 HELP_GROUPS = {
     "model and text": ("ckpt", "prompt", "prompt_file", "chat", "system", "dtype", "quantize",
-                       "rope_scaling", "rope_factor", "rope_orig_ctx"),
+                       "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
                    "device", "threads"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",

@@ -750,7 +750,8 @@ def test_malformed_lines_are_named_and_skipped(text_ckpt, tmp_path, capsys):
     assert f"{tasks} line 2: not valid JSON" in err, err
     assert f"{tasks} line 4: duplicate id 'a'" in err, err
     assert f"{tasks} line 5: field 'id' is missing" in err, err
-    assert [r["id"] for _, r in results(output)] == ["a", "c"]
+    # a batch writes its lines as its tasks finish: order aside, exactly the good ones
+    assert sorted(r["id"] for _, r in results(output)) == ["a", "c"]
 
 
 @pytest.mark.parametrize("problem", ["missing checkpoint", "offload dir cannot be created",

@@ -15,6 +15,7 @@ from argparse import Namespace
 import pytest
 import torch
 import torch.nn as nn
+from safetensors.torch import save_file
 
 import cli
 import quantize
@@ -500,11 +501,22 @@ def test_the_other_scripts_refuse_in_one_line(text_ckpt, tmp_path, capsys, scrip
 
 
 def test_generate_refuses_int4_kv_for_an_odd_head_dim(tmp_path, capsys):
-    """Before any weight is read: a config alone is enough."""
+    """Before any weight is loaded: head_dim 60 / 4 = 15 cannot pack two values a byte.
+    (transformers builds no such model: the weights the config is checked against are written by
+    hand.)"""
     hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 60, "num_hidden_layers": 1,
                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
                  "vocab_size": 64, "max_position_embeddings": 256}
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    shapes = {"model.embed_tokens.weight": (64, 60), "model.norm.weight": (60,),
+              "lm_head.weight": (64, 60)}
+    layer = {"input_layernorm": (60,), "post_attention_layernorm": (60,),
+             "self_attn.q_proj": (60, 60), "self_attn.k_proj": (30, 60),
+             "self_attn.v_proj": (30, 60), "self_attn.o_proj": (60, 60), "mlp.gate_proj": (64, 60),
+             "mlp.up_proj": (64, 60), "mlp.down_proj": (60, 64)}
+    for name, shape in layer.items():
+        shapes[f"model.layers.0.{name}.weight"] = shape
+    save_file({n: torch.zeros(s) for n, s in shapes.items()}, str(tmp_path / "model.safetensors"))
     assert cli.main(["--ckpt", str(tmp_path), "--prompt", "x", "--kv-dtype", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "head_dim 15 is odd" in err, err
