@@ -52,16 +52,18 @@ from cli import (
     remove_created_offload_dir,
     rope_override,
     select_fields,
+    set_threads,
 )
 from disk import DiskError
 from generate import decode_batch, prefill
 from kvcache import make_cache
+from kvlayout import kv_bytes_per_token
 from model import Transformer
 from monitor import host_memory
 from offload import OffloadConfig
 from pools import OffloadError
 from private import PrivateError, make_private_dir, write_atomic
-from probe import calibrate, is_cuda, median_of, predict_decode
+from probe import GB, calibrate, decode_read_bytes, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
 from random_model import build_random_checkpoint
 from rope import context_refusal
@@ -403,7 +405,9 @@ def run_reuse(model, args, contexts):
 # -----------------------------------------------------------------------------
 # report
 
-def summarize(runs, ids_out, cal, args, model_args, contexts, modes):
+def summarize(runs, ids_out, cal, args, model_args, contexts, modes, read_bytes=None):
+    """The table's rows. read_bytes {context: bytes a decode step there reads}: with the measured
+    read bandwidth, the memory roofline each decode speed is a fraction of."""
     rows = []
     hf_rows = []
     for ctx in contexts:
@@ -427,6 +431,11 @@ def summarize(runs, ids_out, cal, args, model_args, contexts, modes):
                         row[key] = row[speed] / med(runs[(ctx, ref)], speed)
             pred = predict_decode(cal, ctx, mode, args, model_args, is_cuda(args.device))
             row["predicted_decode_tokens_per_s"] = pred
+            row["roofline_fraction"] = None
+            if read_bytes and cal.get("read_gbps"):
+                roofline = cal["read_gbps"] * GB / read_bytes[ctx]
+                row["roofline_decode_tokens_per_s"] = roofline
+                row["roofline_fraction"] = row["decode_tokens_per_s"] / roofline
             row["prediction_error"] = row["decode_tokens_per_s"] / pred - 1 if pred else None
             rows.append(row)
     return rows, hf_rows
@@ -449,14 +458,15 @@ def opt(x, spec):
 
 
 def markdown(rows, hf_rows):
-    lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | predicted | "
-             "error | vs none: prefill / decode | TTFT s | peak device MiB | host RSS / anon MiB | "
-             "disk tier write / read / read in place MiB |",
-             "|---" * 11 + "|"]
+    lines = ["| context | mode | prefill tok/s (min-max) | decode tok/s (min-max) | of roofline "
+             "| predicted | error | vs none: prefill / decode | TTFT s | peak device MiB "
+             "| host RSS / anon MiB | disk tier write / read / read in place MiB |",
+             "|---" * 12 + "|"]
     for r in rows:
         b = r["bytes"]
         lines.append(f"| {r['context']} | {r['mode']} | {spread(r, 'prefill_tokens_per_s')} | "
                      f"{spread(r, 'decode_tokens_per_s')} | "
+                     f"{opt(r['roofline_fraction'], '.0%')} | "
                      f"{opt(r['predicted_decode_tokens_per_s'], ',.1f')} | "
                      f"{opt(r['prediction_error'], '+.0%')} | "
                      f"{opt(r.get('prefill_vs_none'), '.2f')} / "
@@ -540,8 +550,7 @@ def main(argv=None):
     tmp = None
     try:
         contexts, modes = check(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
         if args.random_model:
             tmp = None if args.ckpt else tempfile.mkdtemp(prefix="bench-model-")
@@ -607,7 +616,12 @@ def main(argv=None):
         else:
             runs, ids_out, cal = run_matrix(model, hf, args, contexts, modes)
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-            rows, hf_rows = summarize(runs, ids_out, cal, args, model_args, contexts, modes)
+            # a decode step reads the weights it multiplies by and the KV of the context so far
+            per_token = kv_bytes_per_token(model_args, dtype, args.kv_dtype, args.chunk_size)
+            mid = args.new_tokens // 2
+            read_bytes = {c: decode_read_bytes(model, c + mid, per_token) for c in contexts}
+            rows, hf_rows = summarize(runs, ids_out, cal, args, model_args, contexts, modes,
+                                      read_bytes)
             print(f"{args.ckpt} {config['model']}, {args.dtype} (KV {args.kv_dtype}) on "
                   f"{args.device}, chunk {args.chunk_size}, window {args.window}, "
                   f"{args.new_tokens} new tokens, median of {args.repeats}; {machine['date']}, "

@@ -24,6 +24,7 @@ import taskdir
 from batch import run_batch
 from batcher import Batcher
 from checkpoint import CheckpointError, read_config
+from cores import CoreWatch
 from generate import SEED_LIMIT, Sampling
 from kvlayout import KV_DTYPES, chunk_layout
 from kvstore import KVStore, StoreError
@@ -226,6 +227,25 @@ def check_common(args, needs_disk):
             raise UsageError(msg)
     if needs_disk:
         args.created_offload_dir = check_writable_dir(args.offload_dir)
+
+
+def set_threads(args, watch=None, log=None):
+    """The run's CPU thread count, set once before its first forward pass and kept: --threads,
+    else OMP_NUM_THREADS (torch reads it itself), else the cores this process may use less those
+    other processes keep busy (cores.py; watch: a CoreWatch started as the run began)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        return
+    if "OMP_NUM_THREADS" in os.environ or args.device.startswith("cuda"):
+        return
+    threads, why = (watch or CoreWatch()).threads()
+    torch.set_num_threads(threads)
+    if why:
+        (log or print_err)(why)
+
+
+def print_err(message):
+    print(message, file=sys.stderr, flush=True)
 
 
 def select_fields(args):
@@ -570,6 +590,7 @@ def generate_main(args):
     # a file-size limit then fails a write (EFBIG), not the process
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     layout = None
+    watch = CoreWatch()  # how busy other processes keep the cores, until the model is loaded
     try:
         launch.check(args.tp)  # a --tp the torchrun world refuses: before any file is made
         cfg, text = resolve(args)
@@ -594,8 +615,6 @@ def generate_main(args):
         if not args.prompts:  # check the prompt before loading any weight
             prompt_ids = tokenizer.prompt_ids({"prompt": text}, args.chat, args.system)
             plan_lengths(args, len(prompt_ids), model_args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
         kv_store = open_kv_store(args, log)
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
@@ -604,6 +623,7 @@ def generate_main(args):
         # tensor-parallel replica step together, one task at a time
         if args.batch_size is None:
             args.batch_size = DEFAULT_BATCH_SIZE if args.prompts and layout.tp == 1 else 1
+        set_threads(args, watch, log)  # other processes' load measured while the model loaded
         batcher = Batcher(model) if args.batch_size > 1 else None
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))

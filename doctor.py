@@ -37,6 +37,7 @@ from cli import (
     check_common,
     one_line_errors,
     read_model_args,
+    set_threads,
 )
 from model import Transformer
 from monitor import fmt_bytes, mem_available
@@ -367,8 +368,7 @@ def main(argv=None):
         args.device = device
         model_args = read_model_args(args.ckpt)
         args.context = args.context or min(8192, model_args.max_context)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args)  # cores.py: the cores this run may use
         model = Transformer.from_pretrained(args.ckpt, device=args.device if device_ok else "cpu",
                                             dtype=DTYPES[args.dtype])
     except (UsageError, CheckpointError) as e:

@@ -49,7 +49,7 @@ _FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with
 
 
 def fused_cuda(q, k, v):
-    """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T, 1]) fp32; the kv
+    """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T]) fp32; the kv
     heads act as the kernel's heads and the (r, t) query rows as its sequence, so GQA needs no copy
     of K or V."""
     aten = torch.ops.aten
@@ -59,7 +59,7 @@ def fused_cuda(q, k, v):
         o, lse = aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, False, scale=1.0)[:2]
     # efficient attention pads lse's rows
-    return o.float(), lse[..., :q.shape[2]].float().unsqueeze(-1)
+    return o.float(), lse[..., :q.shape[2]].float()
 
 
 def use_fused_cuda(q):
@@ -84,13 +84,13 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     """Attention of queries over the L positions of one chunk, normalised within the chunk.
 
     q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks
-    future keys. Returns (o [B, G, R*T, D], lse [B, G, R*T, 1]), both fp32: the chunk's output and
+    future keys. Returns (o [B, G, R*T, D], lse [B, G, R*T]), both fp32: the chunk's output and
     log-sum-exp of its scores.
     """
     if visible is None and fused:  # the common case first: a chunk visit is the hot loop
         if q.is_cpu and _FLASH_CPU is not None:
             o, lse = _FLASH_CPU(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
-            return (o if o.dtype == torch.float32 else o.float()), lse.unsqueeze(-1)
+            return (o if o.dtype == torch.float32 else o.float()), lse
         if q.is_cuda and use_fused_cuda(q):
             return fused_cuda(q, k, v)
     B, G, RT, D = q.shape
@@ -111,8 +111,8 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     o = o.view(B, G, RT, D).float()
     if visible is not None:
         # l >= 1 where a key is visible (its max term is exp(0)): this changes empty rows only
-        return o / l.clamp(min=1.0), m + torch.log(l)
-    return o / l, m + torch.log(l)
+        return o / l.clamp(min=1.0), (m + torch.log(l)).squeeze(-1)
+    return o / l, (m + torch.log(l)).squeeze(-1)  # lse [B, G, R*T]
 
 
 def attend_open_chunk(q, k, v, off, R, window=None):
@@ -130,7 +130,7 @@ def attend_open_chunk(q, k, v, off, R, window=None):
         vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]
         # [B, H, T, D], [B, H, T]
         o, lse = _FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)
-        return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT, 1)
+        return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT)
     t = torch.arange(RT, device=q.device) % T          # query row (r, t) sits at offset off + t
     visible = visible_keys(off + t, torch.arange(off + T, device=q.device), window)
     return attend_chunk(q, k, v, visible)
@@ -160,13 +160,14 @@ def merge(state, o, lse):
     if state is None:
         return o, lse
     o0, lse0 = state
-    total = torch.logaddexp(lse0, lse)                             # [B, G, R*T, 1]
-    # in place: o0, o are ours
-    return o0.mul_(torch.exp(lse0 - total)).add_(o.mul_(torch.exp(lse - total))), total
+    total = torch.logaddexp(lse0, lse)                             # [B, G, R*T]
+    w0 = torch.exp(lse0 - total).unsqueeze(-1)                     # [B, G, R*T, 1]
+    w = torch.exp(lse - total).unsqueeze(-1)
+    return o0.mul_(w0).add_(o.mul_(w)), total  # in place: o0, o are ours
 
 
 def merge_group(parts):
-    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T, 1]), ...] of one query block merged at
+    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T]), ...] of one query block merged at
     once, exactly. The weights come from one softmax over the group's log-sum-exps; the weighted sum
     is one stacked multiply and sum for a few query rows (a decode step: few kernels is what
     counts), and n in-place multiply-adds for many rows (a prefill chunk: no stacked copy). Never a
@@ -174,16 +175,31 @@ def merge_group(parts):
     on shapes only, so placement still cannot change a bit."""
     if len(parts) == 1:
         return parts[0]
-    lse = torch.cat([l for _, l in parts], dim=-1)                 # [B, G, R*T, n]
-    total = torch.logsumexp(lse, dim=-1, keepdim=True)             # [B, G, R*T, 1]
-    w = torch.exp(lse - total)                                     # [B, G, R*T, n]
-    if lse.shape[2] <= 64:
+    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
+    total = torch.logsumexp(lse, dim=-1)                           # [B, G, R*T]
+    w = torch.exp(lse - total.unsqueeze(-1))                       # [B, G, R*T, n]
+    return weighted_sum(parts, w), total
+
+
+def merge_last(parts):
+    """The output of a query block whose every partial is here (no earlier group to merge with:
+    every decode step): its log-sum-exp is never needed, so the weights are one softmax."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
+    return weighted_sum(parts, torch.softmax(lse, dim=-1))
+
+
+def weighted_sum(parts, w):
+    """sum over i of o_i * w[..., i]: a stacked multiply and sum for a few query rows, in-place
+    multiply-adds for many (the partials are ours)."""
+    if w.shape[2] <= 64:
         o = torch.stack([o for o, _ in parts])                     # [n, B, G, R*T, D]
-        return (o * w.movedim(-1, 0).unsqueeze(-1)).sum(0), total  # [B, G, R*T, D]
-    o = parts[0][0].mul_(w[..., :1])                               # in place: the partials are ours
+        return (o * w.movedim(-1, 0).unsqueeze(-1)).sum(0)         # [B, G, R*T, D]
+    o = parts[0][0].mul_(w[..., :1])
     for i in range(1, len(parts)):
         o.add_(parts[i][0].mul_(w[..., i:i + 1]))
-    return o, total
+    return o
 
 
 MERGE_GROUP_BYTES = 4 << 20
@@ -290,38 +306,51 @@ class KVCache:
         if W is not None:
             q_pos = self.length + torch.arange(R * T, device=q.device) % T
         load = self.store.load  # bound once: a chunk visit is the hot loop
-        release = self.store.release
+        release = self.store.release if self.store.staged else None  # only a staged chunk's slot
         read = self.layout.read
+        # the fused CPU kernel straight from the loop when no chunk needs a mask: what
+        # attend_chunk runs, without deciding it again at every visit
+        flash = _FLASH_CPU if W is None and q.is_cpu else None
+        fp32 = q.dtype == torch.float32
 
-        def sealed_partials():
-            # every key of a sealed chunk is in the past. A row with no visible key in a chunk
-            # (the window's edge) gets o 0 and lse -inf: the merge gives it weight 0
-            for j in visits:
-                k_j, v_j = read(load(layer, j), C)  # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
-                # the edge: its first key is out of the last query's window
-                edge = W is not None and j * C <= self.length + T - 1 - W
-                visible = (visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W)
-                           if edge else None)  # [R*T, C]
-                yield attend_chunk(q, k_j, v_j, visible)
-                release(layer, j)  # its staging slot may be refilled
-
-        partials = sealed_partials()
-        if self.decoding and self.selection.reads_all:  # the oracle: attend all, merge the best
-            partials = list(partials)
-            lse = torch.stack([p[1] for p in partials])    # [n, B, G, R*T, 1]
-            chosen = self.selection.choose(layer, first, n, T, lse)
-            partials = [partials[j - first] for j in chosen]
         # partials per group merge: a function of shapes only, so placement-free
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))
+        kept = [] if self.decoding and self.selection.reads_all else None  # the oracle's
         state = None
         parts = []
-        for part in partials:
+        # every key of a sealed chunk is in the past. A row with no visible key in a chunk (the
+        # window's edge) gets o 0 and lse -inf: the merge gives it weight 0
+        for j in visits:
+            k_j, v_j = read(load(layer, j), C)  # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
+            if flash is not None:  # the common case, as attend_chunk would run it
+                o_j, lse_j = flash(q, k_j, v_j, scale=1.0)  # [B, G, R*T, D], [B, G, R*T]
+                part = (o_j if fp32 else o_j.float(), lse_j)
+            else:
+                visible = None
+                if W is not None and j * C <= self.length + T - 1 - W:  # the window's edge
+                    visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W)
+                part = attend_chunk(q, k_j, v_j, visible)
+            if release:
+                release(layer, j)  # its staging slot may be refilled
+            if kept is not None:  # the oracle merges only the chunks it keeps, once it saw all
+                kept.append(part)
+                continue
             parts.append(part)
             if len(parts) == group:
                 state = merge(state, *merge_group(parts))
                 parts = []
+        if kept:  # in the groups an exact read of the same chunks makes
+            lse = torch.stack([p[1] for p in kept])        # [n, B, G, R*T]
+            for j in self.selection.choose(layer, first, n, T, lse):
+                parts.append(kept[j - first])
+                if len(parts) == group:
+                    state = merge(state, *merge_group(parts))
+                    parts = []
         parts.append(attend_open_chunk(q, *read(kv, off + T), off, R, W))  # k, v [B, G, off+T, D]
-        o, _ = merge(state, *merge_group(parts))
+        if state is None:  # one group: every decode step
+            o = merge_last(parts)
+        else:
+            o, _ = merge(state, *merge_group(parts))
         return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
     def count(self, layer, first, n, read):

@@ -144,7 +144,7 @@ class Oracle(Sparse):
         return list(range(first, n_sealed))  # everything: choose() keeps some after attending
 
     def choose(self, layer, first, n_sealed, T, lse):
-        """lse [n, B, G, R*T, 1] of the visible chunks -> the chunks to merge, ascending."""
+        """lse [n, B, G, R*T] of the visible chunks -> the chunks to merge, ascending."""
         keep = self.always(layer, first, n_sealed, T)
         if keep is None:
             return list(range(first, n_sealed))

@@ -39,6 +39,7 @@ from cli import (
     read_model_args,
     remove_created_offload_dir,
     rope_override,
+    set_threads,
 )
 from disk import DiskError
 from generate import decode_one_token, prefill
@@ -145,6 +146,49 @@ def link_bandwidth(device, nbytes=256 << 20):
             h_out.copy_(dev2, non_blocking=True)
     out["h2d_d2h_at_once_each"] = nbytes / median_time(both, device) / GB
     return out
+
+
+def read_bandwidth(device, nbytes=None):
+    """GB/s at which this device reads memory as a decode step does: a matrix-vector product over
+    an fp32 matrix, with the run's threads (the memory roofline's denominator). On CPU the matrix
+    is twice the last-level cache, and at least 1 GiB, so that it is memory that is measured."""
+    if nbytes is None:
+        nbytes = 1 << 30 if is_cuda(device) else max(1 << 30, 2 * last_level_cache())
+    mat = torch.ones(nbytes // 4096, 1024, device=device)   # [N, 1024] fp32
+    vec = torch.ones(1024, device=device)
+    return nbytes / median_time(lambda: torch.mv(mat, vec), device) / GB
+
+
+def last_level_cache():
+    """Bytes of this CPU's largest cache, from sysfs (0 where it does not say)."""
+    sizes = [0]
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for index in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(os.path.join(base, index, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[-1:] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes)
+
+
+def decode_read_bytes(model, ctx, kv_per_token):
+    """Bytes a decode step at ctx tokens must read: every weight it multiplies by (each linear's
+    weight and scales, the output matrix, the norms: not the embedding table, of which it reads
+    one row, unless the output shares it) and the KV of the ctx positions before it."""
+    seen = {model.tok_embeddings.weight.data_ptr()}
+    read = 0
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        read += t.numel() * t.element_size()
+    if model.args.tie_embeddings and model.quantize is None:  # the output reads the embedding
+        read += model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    return read + ctx * kv_per_token
 
 
 def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
@@ -343,6 +387,7 @@ def calibrate(model, args, contexts, modes, disk=False):
            "step_at_s": {n_b: step(n_b * C)}}
     cal["chunk_s"] = max(0.0, cal["step_at_s"][n_b] - cal["step_s"]) / (model.args.n_layers * n_b)
     cal["worker_handoff_s"] = worker_handoff_s()
+    cal["read_gbps"] = read_bandwidth(args.device)
     cal["zstd"] = None
     if "disk+zstd" in modes or disk:
         cal["zstd"] = zstd_on_real_kv(model, C, kv_dtype=args.kv_dtype)
@@ -539,8 +584,7 @@ def main(argv=None):
     tmp = None
     try:
         contexts, modes = check(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
         if args.random_model:
             tmp = None if args.ckpt else tempfile.mkdtemp(prefix="probe-model-")

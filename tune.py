@@ -49,6 +49,7 @@ from cli import (
     read_model_args,
     remove_created_offload_dir,
     rope_override,
+    set_threads,
 )
 from disk import ALIGN, DiskError, round_up
 from model import Transformer
@@ -564,8 +565,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         check(args)
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
         if args.random_model:
             out_dir = args.ckpt or tempfile.mkdtemp(prefix="tune-model-")

@@ -42,6 +42,7 @@ from cli import (
     rope_override,
     run_fingerprint,
     select_fields,
+    set_threads,
 )
 from monitor import fmt_bytes
 from offload import OffloadConfig
@@ -169,8 +170,7 @@ def verify(args):
         check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
         if not os.path.isdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt}: no such directory")
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
+        set_threads(args)  # cores.py: the cores this run may use
         model_args = read_model_args(args.ckpt, args)
         kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)

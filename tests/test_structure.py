@@ -27,7 +27,7 @@ LAYERS = [
     {"kvcache", "kvlayout", "checkpoint"},
     # where bytes live and move; the policy that decides what is read, evicted and placed; private
     # directories and files
-    {"offload", "kvstore", "disk", "pools", "policy", "private"},
+    {"offload", "kvstore", "disk", "pools", "policy", "private", "cores"},
 ]
 RANK = {m: i for i, row in enumerate(LAYERS) for m in row}
 
