@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import launch
+from cores import one_thread_here
 from disk import DISK_FULL, DiskError
 from generate import SEED_LIMIT
 from pools import OffloadError
@@ -228,8 +229,10 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
             monitor.task_finished(task["id"], error=one_line(e))
             log(f"task {task['id']}: FAILED: {one_line(e)}")
 
-    # --batch-size tasks in flight, a thread each; their forward passes meet in the batcher
-    with ThreadPoolExecutor(args.batch_size, thread_name_prefix="task") as pool:
+    # --batch-size tasks in flight, a thread each; their forward passes meet in the batcher, which
+    # runs them on its own thread (and the tasks' threads keep to one: cores.one_thread_here)
+    init = one_thread_here if batcher is not None else None
+    with ThreadPoolExecutor(args.batch_size, thread_name_prefix="task", initializer=init) as pool:
         futures = [pool.submit(one, task) for task in todo]
         for future in futures:
             future.result()  # a failure that stops the replica (tensor parallel) is raised here

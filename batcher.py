@@ -8,6 +8,9 @@ directory, resume, fallbacks, statistics, trace), with Batcher.step in generate.
       generate.decode_batch runs them all, and each task gets back its own row of logits;
     - a prefill step (a chunk of a joining task's prompt) runs alone, between two decode steps, so
       the running tasks keep producing tokens while a new one reads its prompt.
+Every forward pass, batched or a prefill step, runs on the batcher's one model thread, and the
+tasks' threads keep their own parallel operations to one thread (cores.one_thread_here): more
+OpenMP teams than cores slow every operation of all of them (measured: 1.5x per decode step).
 A task leaves when it stops decoding, finished or failed, and the others stop waiting for it. Row i
 of a batched step is the bits decode_one_token gives task i alone (rowwise.py), so a task's output
 never depends on which tasks shared its steps. If a batched step fails before any task's step is
@@ -15,6 +18,7 @@ committed, each of its tasks runs the step alone: only the task whose tiers fail
 in its own thread, where batch.py's fallbacks take it over as for a lone task.
 """
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,6 +38,10 @@ class Batcher:
         self.steps = 0         # batched decode steps run, the tokens they gave, the most at once
         self.rows = 0
         self.widest = 0
+        self.engine = ThreadPoolExecutor(1, thread_name_prefix="model")  # runs every forward pass
+
+    def close(self):
+        self.engine.shutdown()
 
     def step(self, model, cache, tokens, decode=False):
         """generate.forward's signature: this task's step, run when its turn comes."""
@@ -46,7 +54,7 @@ class Batcher:
             self.prefills -= 1
             self.busy = True
         try:
-            return forward(model, cache, tokens)
+            return self.engine.submit(forward, model, cache, tokens).result()
         finally:
             self._done("decode")
 
@@ -75,7 +83,10 @@ class Batcher:
                     break
                 self.cond.wait()
         if batch is not None:
-            results = self._run(batch)
+            try:
+                results = self.engine.submit(self._run, batch).result()
+            except BaseException as e:  # never leave the batch's tasks waiting
+                results = {c: e for c in batch}
             with self.cond:
                 self.results.update(results)
             self._done("prefill")

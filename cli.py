@@ -698,6 +698,8 @@ def generate_main(args):
                 return 2
             finally:
                 monitor.close()
+                if batcher is not None:
+                    batcher.close()
         elif layout.replica == 0:  # one prompt: the first replica runs it, the others idle
             rc = single(args, text, cfg, monitor, run_one, tokenizer, speak)
         else:

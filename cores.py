@@ -17,9 +17,13 @@ The count is chosen once, before the first forward pass, and kept for the whole 
 product's sums by it, so it changes the output's bits. It is part of what a resumed task or a
 stored KV chunk must match (task.cpu_threads).
 """
+import ctypes
 import math
 import os
+import threading
 import time
+
+import torch
 
 MIN_WATCH_S = 0.2    # the shortest window the other processes' load is measured over
 CPU_MAX = "/sys/fs/cgroup/cpu.max"                   # cgroup v2: "quota period" or "max period"
@@ -101,3 +105,45 @@ class CoreWatch:
             why += (f"; other processes kept {others:.1f} busy while the model loaded, and a "
                     "thread sharing a busy core would hold up every operation")
         return threads, why + "; --threads N chooses"
+
+
+# -----------------------------------------------------------------------------
+# one team: the model's threads are the only OpenMP threads that run
+
+# Every thread that runs a parallel operation gets an OpenMP team of its own, kept for the thread's
+# life. Once the process has more OpenMP threads than cores, libgomp stops letting any of them spin
+# and every parallel operation pays for waking its team: measured here, an 8-row bf16 linear of the
+# SmolLM2-135M shape went from 62 to 150 us while one other thread's (idle) team lived, and a batch
+# of 8 tasks whose threads had each run a prefill step decoded 1.5x slower. So a batch's forward
+# passes all run on one thread (batcher.py), and the threads around it keep theirs to one.
+_local = threading.local()
+
+
+def one_thread_here():
+    """This thread's parallel operations run on this thread alone (no OpenMP team of its own); the
+    rest of the process keeps its threads. A no-op where torch's OpenMP runtime is not libgomp."""
+    _local.threads = torch.get_num_threads()  # also binds torch's count to this thread, once
+    for omp in openmp_runtimes():
+        omp.omp_set_num_threads(1)  # this thread's own setting in each runtime
+
+
+def compute_threads():
+    """The thread count the model's operations run with, asked from any thread: a thread that
+    one_thread_here() keeps to one still reports the model's."""
+    return getattr(_local, "threads", None) or torch.get_num_threads()
+
+
+def openmp_runtimes():
+    """Every libgomp this process has loaded: torch's, and any a wheel bundles (sentencepiece's)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:  # not Linux
+        return []
+    runtimes = []
+    for path in sorted(paths):
+        try:
+            runtimes.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return runtimes

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 
 import torch
 
+from cores import compute_threads
 from generate import Sampling, generate
 from kvcache import make_cache
 from kvstore import STALE_CLAIM_S, chunk_keys
@@ -53,7 +54,7 @@ def cpu_threads(device):
     """The CPU kernels' thread count (None on a GPU): how a CPU splits a product's sums depends on
     it, and so do the bits of the KV, so a manifest or a stored chunk from a run with another
     --threads is not this run's (a rerun with other threads starts over, bit-identical)."""
-    return torch.get_num_threads() if torch.device(device).type == "cpu" else None
+    return compute_threads() if torch.device(device).type == "cpu" else None
 
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),

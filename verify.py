@@ -44,6 +44,7 @@ from cli import (
     select_fields,
     set_threads,
 )
+from cores import one_thread_here
 from monitor import fmt_bytes
 from offload import OffloadConfig
 from pools import OffloadError
@@ -95,8 +96,11 @@ def run_batched(model, prompts, mode, compress, args):
     def one(i):
         return run_mode(model, prompts[i], args.max_new_tokens, args.chunk_size, mode, compress,
                         args, batcher=batcher, task=f"_b{i}")
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        runs = list(pool.map(one, range(len(prompts))))
+    try:
+        with ThreadPoolExecutor(len(prompts), initializer=one_thread_here) as pool:
+            runs = list(pool.map(one, range(len(prompts))))
+    finally:
+        batcher.close()
     return runs, batcher.widest
 
 

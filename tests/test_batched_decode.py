@@ -7,6 +7,7 @@ a task whose disk fails leaves the batch and falls back alone while the others g
 serial results.)
 """
 import errno
+import threading
 
 import pytest
 import torch
@@ -107,20 +108,31 @@ MIXED = [{"id": "long", "prompt": TOPICS["pass"][:300], "max_new_tokens": 20},
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_a_batch_gives_each_task_its_lone_result(text_ckpt, tmp_path, capsys, dtype):
+def test_a_batch_gives_each_task_its_lone_result(text_ckpt, tmp_path, capsys, monkeypatch,
+                                                 dtype):
     """Five tasks of different lengths (one sampled), three in flight: a task that finishes leaves,
-    the next joins; every result line equals --batch-size 1's."""
+    the next joins; every result line equals --batch-size 1's. Every forward pass of the batch,
+    prefill or decode, runs on one thread (batcher.py: one OpenMP team)."""
     tasks = write_tasks(tmp_path / "tasks.jsonl", MIXED)
     flags = ["--offload", "disk", "--chunk-size", C, "--window", 1, "--dtype", dtype]
+    threads = []
+    forward = Transformer.forward
+
+    def recorded(self, *args, **kwargs):
+        threads.append(threading.get_ident())
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(Transformer, "forward", recorded)
     results = {}
     for n in (1, 3):
         out = tmp_path / f"r{n}.jsonl"
         argv = batch_args(text_ckpt, tasks, out, tmp_path / f"off{n}", *flags, "--batch-size", n)
+        threads.clear()
         rc, err = run_main(argv, capsys)
         assert rc == 0, err
         results[n] = by_id(out)
         if n > 1:
             assert "decode steps shared by" in err, err
+            assert len(set(threads)) == 1 and threading.get_ident() not in threads
     assert sorted(results[1]) == sorted(results[3]) == sorted(t["id"] for t in MIXED)
     for task_id, r in results[3].items():
         assert r["tokens"] == results[1][task_id]["tokens"], task_id

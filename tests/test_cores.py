@@ -6,6 +6,7 @@ win over it.
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -69,3 +70,31 @@ def test_the_flag_and_the_environment_win(monkeypatch):
     said = []
     cli.set_threads(args, Watch(), said.append)
     assert calls == [3, 1] and said == ["threads: 1 (a test)"]
+
+
+def test_a_thread_kept_to_one_starts_no_team_and_reports_the_models_count():
+    """A batch's task threads (cores.one_thread_here): their parallel operations start no OpenMP
+    team of their own (one would slow every operation of the model's), and the count they report
+    for a task's identity (task.cpu_threads) is still the model's."""
+    if not cores.openmp_runtimes():
+        pytest.skip("torch's OpenMP runtime here is not libgomp")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = {}
+
+    def work(keep_to_one):
+        if keep_to_one:
+            cores.one_thread_here()
+        ids = set(os.listdir("/proc/self/task"))
+        torch.randn(1 << 22).float().sum()  # big enough to run in parallel
+        started = set(os.listdir("/proc/self/task")) - ids
+        seen[keep_to_one] = (len(started), torch.get_num_threads(), cores.compute_threads())
+    try:
+        for keep_to_one in (False, True):
+            t = threading.Thread(target=work, args=(keep_to_one,))
+            t.start()
+            t.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen[False] == (1, 2, 2)  # the thread's own team: one more OS thread
+    assert seen[True] == (0, 1, 2)
