@@ -215,6 +215,12 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
     if layout.n_replicas > 1:
         log(f"group {layout.replica} of {layout.n_replicas}: {len(todo)} tasks")
 
+    # --cpu-budget is the batch's: the tasks in flight hold an equal share each, never more
+    in_flight = min(args.batch_size, len(todo))
+    if cfg.cpu_budget_gib is not None and in_flight > 1:
+        cfg = dataclasses.replace(cfg, cpu_budget_gib=cfg.cpu_budget_gib / in_flight,
+                                  budget_shared_by=in_flight)
+
     def one(task):
         try:
             result = with_fallbacks(task, args, cfg, run_one, log)

@@ -120,7 +120,7 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    help="GiB of host memory for offloaded chunks: with --offload cpu the host "
                    "tier's size (default: all the task needs); with --offload disk a host tier "
                    "in front of the disk, filled first (default 0; resume covers the disk chunks "
-                   "only)")
+                   "only). A batch's tasks in flight share it equally")
     p.add_argument("--staging-slots", type=int, default=OffloadConfig.staging_slots,
                    help="chunks prefetched ahead of attention, device buffers (used on CUDA, and "
                    "with --compress zstd) (default %(default)s)")
@@ -479,8 +479,8 @@ def build_parser():
                    help=f"tasks in flight at once; their decode steps run as one forward pass, "
                    f"each task's output unchanged (default {DEFAULT_BATCH_SIZE}; 1: one task at a "
                    "time). Each task in flight holds its own cache: N tasks hold N times one "
-                   "task's device window and host pool. --concurrency is the same flag, kept "
-                   "from before batching")
+                   "task's device window, and share --cpu-budget. --concurrency is the same "
+                   "flag, kept from before batching")
     b.add_argument("--keep-cache", action="store_true",
                    help="keep a task's directory after it succeeds")
     b.add_argument("--fallback-cpu-budget", type=float,

@@ -166,6 +166,17 @@ def test_a_task_whose_disk_fails_leaves_the_batch_and_falls_back(text_ckpt, tmp_
     assert got["mid"]["stats"]["chunks"]["host"] > 0 and got["long"]["stats"]["chunks"]["disk"] > 0
 
 
+def test_the_tasks_in_flight_share_the_cpu_budget(text_ckpt, tmp_path, capsys):
+    """--cpu-budget is the batch's: three tasks in flight hold a third of it each, and one whose
+    third is too small says so, naming the share and --batch-size."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", MIXED[:3])
+    flags = ["--offload", "cpu", "--chunk-size", C, "--window", 1, "--cpu-budget", "0.00003"]
+    rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "r.jsonl", tmp_path / "o",
+                                  *flags, "--batch-size", 4), capsys)
+    assert rc == 1 and "share of --cpu-budget (1e-05 GiB, shared by 3 tasks in flight)" in err, err
+    assert "lower --batch-size" in err, err
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--batch-size", "-2"], "--batch-size must be >= 1"),

@@ -167,7 +167,7 @@ def test_every_bad_line_is_skipped_alone(text_ckpt, tmp_path, capsys):
         said = [line for line in err.splitlines() if f"{tasks} line {n}:" in line]
         assert said and all(words in s and "skipped" in s for s in said), (n, words, err)
     done = [json.loads(line)["id"] for line in output.read_text().splitlines()]
-    assert done == ["first", "last"]
+    assert sorted(done) == ["first", "last"]  # tasks of a batch finish in any order
 
 
 # -----------------------------------------------------------------------------
