@@ -218,8 +218,9 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
     # --cpu-budget is the batch's: the tasks in flight hold an equal share each, never more
     in_flight = min(args.batch_size, len(todo))
     if cfg.cpu_budget_gib is not None and in_flight > 1:
+        note = f" (this task's share: {in_flight} tasks in flight; or lower --batch-size)"
         cfg = dataclasses.replace(cfg, cpu_budget_gib=cfg.cpu_budget_gib / in_flight,
-                                  budget_shared_by=in_flight)
+                                  budget_note=note)
 
     def one(task):
         try:

@@ -62,9 +62,8 @@ COMPRESSIONS = ("none", "zstd")
 class OffloadConfig:
     mode: str = "none"         # none | cpu | disk: where sealed chunks beyond the window go
     window: int = 4            # W: most recent sealed chunks per layer kept on the device
-    # host tier in front of the disk; None = all the task needs (cpu), 0 (disk)
-    cpu_budget_gib: Optional[float] = None
-    budget_shared_by: int = 1  # a batch's tasks in flight split --cpu-budget: this task's share
+    cpu_budget_gib: Optional[float] = None  # host tier before the disk; None: all (cpu), 0: disk
+    budget_note: str = ""      # said after the budget in a refusal: a batch's task holds a share
     offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/task_<id>/
     compress: str = "none"     # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4     # chunks prefetched ahead of attention (device buffers on CUDA)
@@ -128,15 +127,10 @@ class TieredStore:
             budget_slots = int(cfg.cpu_budget_gib * 2**30) // self.slot_bytes
         plan = plan_tiers(max_length, C, self.window, n_layers, cfg.mode, budget_slots)
         if plan.unplaced:
-            budget = f"--cpu-budget {cfg.cpu_budget_gib:g} GiB"
-            fixes = "raise it, widen --window, or use --offload disk"
-            if cfg.budget_shared_by > 1:
-                budget = (f"this task's share of --cpu-budget ({cfg.cpu_budget_gib:.3g} GiB, "
-                          f"shared by {cfg.budget_shared_by} tasks in flight)")
-                fixes = "raise it, lower --batch-size, widen --window, or use --offload disk"
-            raise OffloadError(f"{budget} holds {plan.host} of the {plan.offloaded} chunks this "
-                               f"task offloads ({plan.offloaded * self.slot_bytes / 2**30:.2f} "
-                               f"GiB); {fixes}")
+            raise OffloadError(f"--cpu-budget {cfg.cpu_budget_gib:.3g} GiB{cfg.budget_note} holds "
+                               f"{plan.host} of the {plan.offloaded} chunks this task offloads "
+                               f"({plan.offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, "
+                               "widen --window, or use --offload disk")
         self.host = HostPool(plan.host, shape, dtype, pin=self.cuda)
 
         # the disk tier and two threads: the reader (prefetch) and the writer (writes, then syncs)

@@ -173,7 +173,7 @@ def test_the_tasks_in_flight_share_the_cpu_budget(text_ckpt, tmp_path, capsys):
     flags = ["--offload", "cpu", "--chunk-size", C, "--window", 1, "--cpu-budget", "0.00003"]
     rc, err = run_main(batch_args(text_ckpt, tasks, tmp_path / "r.jsonl", tmp_path / "o",
                                   *flags, "--batch-size", 4), capsys)
-    assert rc == 1 and "share of --cpu-budget (1e-05 GiB, shared by 3 tasks in flight)" in err, err
+    assert rc == 1 and "--cpu-budget 1e-05 GiB (this task's share: 3 tasks in flight" in err, err
     assert "lower --batch-size" in err, err
 
 
