@@ -143,8 +143,9 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "per channel within a chunk, values per token, about a quarter (lossy; offload "
                    "stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--threads", type=int,
-                   help="CPU threads for torch (default: torch's choice; on a busy machine 1 "
-                   "avoids OpenMP threads stalling while another process holds a core)")
+                   help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "
+                   "this process may use that other processes do not keep busy while the model "
+                   "loads: a thread sharing a busy core would hold up every operation)")
     p.add_argument("--rope-scaling", choices=ROPE_OVERRIDES,
                    help="stretch RoPE past the trained context, replacing config.json's scaling "
                    "for this run (quality past the trained length is not guaranteed)")

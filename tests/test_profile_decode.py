@@ -1,0 +1,35 @@
+"""tools/profile_decode.py: the parts of a decode step it clocks, and the bytes it says each part
+reads, against the sizes of a small preset worked out here by hand."""
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools"))
+import profile_decode  # noqa: E402
+from random_model import PRESETS  # noqa: E402
+
+
+def test_every_part_is_clocked_and_its_bytes_are_the_weights_and_kv_it_reads(capsys):
+    profile_decode.main(["--random-model", "kv16k", "--context", "100", "--chunk-size", "16",
+                         "--steps", "4", "--threads", "1", "--ops", "3"])
+    out = capsys.readouterr().out
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3)))
+            for m in re.finditer(r"^\| ([^|]+?) \| ([\d.-]+) \| [\d-]+% \| ([\d.]+) \|", out, re.M)}
+    expected = {"attend", "q, k, v", "o", "gate, up", "down", "output", "norms", "rope, reshapes",
+                "silu, product", "residual adds", "head norm"}
+    assert expected <= set(rows), out
+    assert all(ms >= 0 for ms, _ in rows.values()), out
+    t = PRESETS["kv16k"]
+    E, F, H, G, D, L, V = (t[k] for k in ("dim", "hidden", "heads", "kv_heads", "head_dim",
+                                          "layers", "vocab"))
+    fp32 = 4
+    mib = 2**20
+    assert rows["q, k, v"][1] == round(L * E * (H + 2 * G) * D * fp32 / mib, 1)
+    assert rows["gate, up"][1] == round(L * 2 * E * F * fp32 / mib, 1)
+    assert rows["output"][1] == round(V * E * fp32 / mib, 1)
+    context = int(re.search(r"decode at (\d+) tokens", out).group(1))
+    assert context == 100 + 4 + 2  # the prompt, the warm-up steps, half the timed ones
+    # K and V of every position, every layer
+    assert rows["attend"][1] == round(context * 2 * G * D * fp32 * L / mib, 1)
+    assert "aten::" in out  # torch.profiler's table

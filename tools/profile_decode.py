@@ -1,0 +1,172 @@
+"""
+Where a decode step's time goes: each part of a layer (the norms, the q, k, v and o projections,
+RoPE, attention over the chunks, the MLP's three matrices), the output head, and what is left (the
+embedding, the RoPE tables, the cache's bookkeeping); for each part the bytes it reads and the rate
+it reads them at, against this machine's read bandwidth (the memory roofline's denominator); then
+the slowest layer against the median one, and torch.profiler's operators.
+
+    python tools/profile_decode.py --random-model smollm2-135m --context 2048
+    python tools/profile_decode.py --ckpt DIR --context 4096 --dtype bf16 --offload disk
+
+A decode step reads every weight once and the KV of the whole context: when a part reads at a rate
+well below the bandwidth, its time goes to something other than bytes (operator overhead, threads
+waiting for each other, a kernel that does not stream); a model small enough to stay in the CPU's
+caches reads faster than the bandwidth (over 100%). Timing wraps each module's forward with a
+clock (a CPU runs operators synchronously, so the clock is the part's time); the wrappers add about
+a microsecond each, about 1% of the step here. CPU only.
+"""
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cores import CoreWatch  # noqa: E402
+from generate import decode_one_token, prefill  # noqa: E402
+from kvcache import make_cache  # noqa: E402
+from model import Transformer  # noqa: E402
+from offload import OffloadConfig  # noqa: E402
+from probe import GB, read_bandwidth  # noqa: E402
+from random_model import PRESETS, build_random_checkpoint, parse_model_spec  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# a layer's parts, in the order a step runs them: (name, the modules whose forward it times)
+LINEARS = {"q, k, v": ("attention.wq", "attention.wk", "attention.wv"), "o": ("attention.wo",),
+           "gate, up": ("feed_forward.w1", "feed_forward.w3"), "down": ("feed_forward.w2",)}
+
+
+def clocked(fn, key, spent):
+    """fn, adding the seconds each call takes to spent[key]."""
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        spent[key] += time.perf_counter() - start
+        return out
+    return run
+
+
+def nbytes(module):
+    """Bytes of a module's weights (and scales, when quantized)."""
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+def instrument(model, cache, spent):
+    """Wrap every part's forward (and the cache's attend) with a clock. Returns {part: bytes it
+    reads per step}, the KV counted by the caller."""
+    reads = collections.Counter()
+    for i, block in enumerate(model.layers):
+        block.forward = clocked(block.forward, ("layer", i), spent)
+        for name in ("attention_norm", "ffn_norm"):
+            norm = block.get_submodule(name)
+            norm.forward = clocked(norm.forward, "norms", spent)
+            reads["norms"] += nbytes(norm)
+        block.attention.forward = clocked(block.attention.forward, "attention", spent)
+        block.feed_forward.forward = clocked(block.feed_forward.forward, "mlp", spent)
+        for part, names in LINEARS.items():
+            for name in names:
+                lin = block.get_submodule(name)
+                lin.forward = clocked(lin.forward, part, spent)
+                reads[part] += nbytes(lin)
+    cache.attend = clocked(cache.attend, "attend", spent)
+    model.norm.forward = clocked(model.norm.forward, "head norm", spent)
+    model.output.forward = clocked(model.output.forward, "output", spent)
+    reads["output"] = nbytes(model.output)
+    return reads
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", help="a checkpoint directory (else --random-model)")
+    p.add_argument("--random-model", default="smollm2-135m",
+                   help=f"a random model of a known shape: {', '.join(PRESETS)}")
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens before the steps")
+    p.add_argument("--steps", type=int, default=24, help="decode steps timed (after 4 warm-up)")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--offload", default="none", choices=("none", "cpu", "disk"))
+    p.add_argument("--threads", type=int,
+                   help="default: OMP_NUM_THREADS, else as generate.py chooses (cores.py)")
+    p.add_argument("--ops", type=int, default=12, help="rows of torch.profiler's table")
+    args = p.parse_args(argv)
+    watch = CoreWatch()
+    dtype = DTYPES[args.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = args.ckpt
+        if ckpt is None:
+            ckpt = os.path.join(tmp, "model")
+            build_random_checkpoint(parse_model_spec(args.random_model), ckpt, dtype, "cpu")
+        model = Transformer.from_pretrained(ckpt, dtype=dtype)
+        if args.threads or "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(args.threads or watch.threads()[0])
+        cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=tmp + "/kv")
+        total = args.context + args.steps + 8
+        cache = make_cache(model, cfg, args.chunk_size, total)
+        ids = torch.randint(3, model.args.vocab_size, (1, args.context),
+                            generator=torch.Generator().manual_seed(0))
+        try:
+            profile(model, cache, prefill(model, cache, ids), args)
+        finally:
+            cache.store.close()
+
+
+def profile(model, cache, logits, args):
+    token = logits.argmax(-1, keepdim=True)  # [1, 1]
+    for _ in range(4):  # warm-up: first calls pick kernels
+        token = decode_one_token(model, cache, token).argmax(-1, keepdim=True)
+    kv_per_token = cache.store.chunk_bytes / args.chunk_size  # one layer's K and V of a position
+    spent = collections.defaultdict(float)
+    reads = instrument(model, cache, spent)
+    context = cache.length + args.steps // 2  # the steps' middle
+    reads["attend"] = context * kv_per_token * model.args.n_layers
+    steps = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        token = decode_one_token(model, cache, token).argmax(-1, keepdim=True)
+        steps.append(time.perf_counter() - start)
+    n = args.steps
+    parts = {k: v / n for k, v in spent.items() if not isinstance(k, tuple)}
+    layers = [spent[("layer", i)] / n for i in range(model.args.n_layers)]
+    # self times: a wrapper's time less the parts inside it
+    parts["rope, reshapes"] = (parts.pop("attention") - parts["q, k, v"] - parts["o"]
+                               - parts["attend"])
+    parts["silu, product"] = parts.pop("mlp") - parts["gate, up"] - parts["down"]
+    inside = parts["norms"] + parts["q, k, v"] + parts["o"] + parts["attend"]
+    inside += parts["rope, reshapes"] + parts["gate, up"] + parts["down"] + parts["silu, product"]
+    parts["residual adds"] = sum(layers) - inside
+    step = sum(steps) / n
+    parts["other (embedding, RoPE table, cache)"] = step - sum(layers) - parts["head norm"]
+    parts["other (embedding, RoPE table, cache)"] -= parts["output"]
+    bandwidth = read_bandwidth("cpu")
+    total_read = sum(reads.values())
+    roofline = bandwidth * GB / total_read  # tok/s if every byte came at the bandwidth
+    print(f"decode at {context} tokens, {args.dtype}, {torch.get_num_threads()} threads, chunk "
+          f"{args.chunk_size}, --offload {args.offload}: step {step * 1e3:.2f} ms (median "
+          f"{statistics.median(steps) * 1e3:.2f}), {1 / step:.1f} tok/s; reads "
+          f"{total_read / 2**20:.1f} MiB; read bandwidth {bandwidth:.1f} GB/s: the roofline is "
+          f"{roofline:.1f} tok/s, and this step {1 / step / roofline:.0%} of it\n")
+    print("| part | ms per step | share | MiB read | GB/s | of bandwidth |")
+    print("|---|---|---|---|---|---|")
+    for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        read = reads.get(name, 0)
+        rate = read / seconds / GB if read and seconds > 0 else 0
+        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / step:.0%} | "
+              f"{read / 2**20:.1f} | {rate:.1f} | {rate / bandwidth:.0%} |")
+    median_layer = statistics.median(layers)
+    slowest = max(range(len(layers)), key=layers.__getitem__)
+    print(f"\nper layer: median {median_layer * 1e3:.3f} ms, slowest layer {slowest} "
+          f"{layers[slowest] * 1e3:.3f} ms, fastest {min(layers) * 1e3:.3f} ms\n")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            token = decode_one_token(model, cache, token).argmax(-1, keepdim=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+
+
+if __name__ == "__main__":
+    main()
