@@ -83,8 +83,10 @@ TASKS = [{"id": f"t{i}", "prompt": TEXT * (1 + i % 3), "max_new_tokens": 40} for
 def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, tmp_path, capsys):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    # one task at a time on each rank, so that the kill lands between results: the tasks of a
+    # batched step can all finish within the moment the loop below takes to see two results
     flags = ["--ckpt", text_ckpt, "--prompts", tasks, "--offload", "disk", "--chunk-size", 16,
-             "--window", 1]
+             "--window", 1, "--batch-size", 1]
     single(flags + ["--output", tmp_path / "one.jsonl", "--offload-dir", tmp_path / "off1"], capsys)
     one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     ref = {r["id"]: r["tokens"] for r in one}
