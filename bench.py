@@ -39,16 +39,14 @@ import torch
 import probe
 from checkpoint import CheckpointError
 from cli import (
-    DEMO_CKPT,
     DTYPES,
     MODE_SPECS,
     UsageError,
     add_measure_flags,
     check_measure,
-    check_shapes,
+    measured_model_args,
     one_line_errors,
     quantize_mode,
-    read_model_args,
     remove_created_offload_dir,
     rope_override,
     select_fields,
@@ -65,8 +63,6 @@ from pools import OffloadError
 from private import PrivateError, make_private_dir, write_atomic
 from probe import GB, calibrate, decode_read_bytes, is_cuda, median_of, predict_decode
 from quantize import weight_bytes
-from random_model import build_random_checkpoint
-from rope import context_refusal
 from task import run_task
 from taskdir import TaskDirError
 
@@ -552,16 +548,9 @@ def main(argv=None):
         contexts, modes = check(args)
         set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
-        if args.random_model:
-            tmp = None if args.ckpt else tempfile.mkdtemp(prefix="bench-model-")
-            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
-        args.ckpt = args.ckpt or DEMO_CKPT
-        model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
-        check_shapes(args, model_args)  # --quantize int4, --kv-dtype int4: before any weight
-        if max(contexts) + args.new_tokens > model_args.max_context:
-            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
-                             + refusal)
+        if args.random_model and not args.ckpt:  # the random model's files, removed at the end
+            tmp = tempfile.mkdtemp(prefix="bench-model-")
+        model_args = measured_model_args(args, contexts, tmp)
         if args.child_run:
             print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0

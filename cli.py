@@ -43,7 +43,7 @@ from quantize import (
     int4_kernel_status,
     kernel_status,
 )
-from random_model import PRESETS, parse_model_spec
+from random_model import PRESETS, build_random_checkpoint, parse_model_spec
 from rope import ROPE_OVERRIDES, context_refusal, rope_override_note
 from task import run_task
 from taskdir import TaskDirError, model_fingerprint
@@ -407,6 +407,25 @@ def check_measure(args, verb):
     elif not os.path.isdir(args.ckpt or DEMO_CKPT):
         raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
     return contexts, modes
+
+
+def measured_model_args(args, contexts, scratch=None):
+    """The model bench.py or probe.py measures: --random-model written into --ckpt or scratch (a
+    temporary directory the caller made and removes), else --ckpt, else the demo model; sets
+    args.ckpt. Returns its ModelArgs (with the --rope-scaling override), refused in one UsageError
+    when --quantize or --kv-dtype cannot take its shapes or the contexts exceed it, before any
+    weight is read."""
+    if args.random_model:
+        dtype = DTYPES[args.dtype]
+        args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or scratch, dtype, args.device)
+    args.ckpt = args.ckpt or DEMO_CKPT
+    model_args = read_model_args(args.ckpt, args)
+    check_shapes(args, model_args)
+    longest = max(contexts) + args.new_tokens
+    if longest > model_args.max_context:
+        raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+                         + context_refusal(longest, model_args))
+    return model_args
 
 
 # -----------------------------------------------------------------------------

@@ -27,16 +27,14 @@ import torch
 
 from checkpoint import CheckpointError
 from cli import (
-    DEMO_CKPT,
     DTYPES,
     MODE_SPECS,
     UsageError,
     add_measure_flags,
     check_measure,
-    check_shapes,
+    measured_model_args,
     one_line_errors,
     quantize_mode,
-    read_model_args,
     remove_created_offload_dir,
     rope_override,
     set_threads,
@@ -50,8 +48,7 @@ from offload import OffloadConfig
 from policy import plan_tiers
 from pools import OffloadError
 from private import create_private, open_private, write_atomic
-from random_model import SIZE_KEYS, build_random_checkpoint
-from rope import context_refusal
+from random_model import SIZE_KEYS
 from taskdir import TaskDirError
 
 GB = 1e9
@@ -586,16 +583,9 @@ def main(argv=None):
         contexts, modes = check(args)
         set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
-        if args.random_model:
-            tmp = None if args.ckpt else tempfile.mkdtemp(prefix="probe-model-")
-            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or tmp, dtype, args.device)
-        args.ckpt = args.ckpt or DEMO_CKPT
-        model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
-        check_shapes(args, model_args)  # --quantize int4, --kv-dtype int4: before any weight
-        if max(contexts) + args.new_tokens > model_args.max_context:
-            refusal = context_refusal(max(contexts) + args.new_tokens, model_args)
-            raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
-                             + refusal)
+        if args.random_model and not args.ckpt:  # the random model's files, removed at the end
+            tmp = tempfile.mkdtemp(prefix="probe-model-")
+        model_args = measured_model_args(args, contexts, tmp)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
