@@ -7,13 +7,15 @@ sampled.
 
 The loop is four free functions, each small enough to time, replace or compile on its own: forward
 (one cached step), prefill (the prompt, a chunk at a time), decode_one_token, generate. The command
-line lives one layer up, in cli.py (flags, checks, batch mode); running this file runs it.
+line lives one layer up, in flags.py (flags, checks, batch mode); running this file runs it.
 """
 import ctypes
 import ctypes.util
 from dataclasses import dataclass
 
 import torch
+
+from kvcache import BatchedCaches
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only; elsewhere trim_heap does nothing
@@ -82,7 +84,7 @@ def decode_batch(model, caches, tokens):
     for cache in caches:
         cache.begin(1, decode=True)
         cache.store.prefetch(cache.reads())
-    logits = model(tokens, caches, last_only=True)
+    logits = model(tokens, BatchedCaches(caches), last_only=True)
     failed = {}
     for i, cache in enumerate(caches):
         if cache.commit():
@@ -157,8 +159,11 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
     return out
 
 
-# the command line is one layer up; this file stays importable on its own
+# the command line lives with the operations (runs/generate_cli.py); this file stays importable on
+# its own
 if __name__ == "__main__":
-    import cli
-    import launch
-    launch.exit(cli.main())
+    import sys
+    # the operations import this very module, not a second copy of it
+    sys.modules["generate"] = sys.modules["__main__"]
+    from runs import generate_cli, launch
+    launch.exit(generate_cli.main())

@@ -21,7 +21,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from checkpoint import CheckpointError, check_config, iter_checkpoint, read_config
-from quantize import QUANTIZED_LINEARS, quantize_linears
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 from rowwise import linear
 
@@ -221,19 +220,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(E, G * D, bias=model_args.qkv_bias)
         self.wv = nn.Linear(E, G * D, bias=model_args.qkv_bias)
         self.wo = nn.Linear(H * D, E, bias=model_args.o_bias)
-        # the heads this process holds; tp.py lowers them
-        self.n_local_heads, self.n_local_kv_heads = H, G
-        # tensor parallel: tp.py sets the sum of every rank's partial wo output
-        self.all_reduce = None
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
-        H = self.n_local_heads
-        G = self.n_local_kv_heads
         D = self.args.head_dim
-        q = linear(self.wq, x).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        k = linear(self.wk, x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
-        v = linear(self.wv, x).view(B, T, G, D).transpose(1, 2)  # [B, G, T, D]
+        # the heads are counted from the projections: a tensor-parallel rank holds a share of them
+        q = linear(self.wq, x).view(B, T, -1, D).transpose(1, 2)  # [B, H, T, D]
+        k = linear(self.wk, x).view(B, T, -1, D).transpose(1, 2)  # [B, G, T, D]
+        v = linear(self.wv, x).view(B, T, -1, D).transpose(1, 2)  # [B, G, T, D]
+        H = q.shape[1]
+        G = k.shape[1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # the reference: every position attends to all earlier ones (in its window), nothing is kept
         if cache is None:
@@ -245,14 +241,9 @@ class Attention(nn.Module):
             else:
                 mask = sliding_mask(T, window, x.device)  # [T, T]
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif isinstance(cache, list):  # a decode step of B tasks: each row over its own cache
-            rows = [c.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1])
-                    for i, c in enumerate(cache)]
-            y = torch.cat(rows)  # [B, H, 1, D]
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
-        y = linear(self.wo, y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
-        return y if self.all_reduce is None else self.all_reduce(y)
+        return linear(self.wo, y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
 
 
 class FeedForward(nn.Module):
@@ -263,13 +254,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # gate_proj
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)  # up_proj
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down_proj
-        # tensor parallel: tp.py sets the sum of every rank's partial w2 output
-        self.all_reduce = None
 
     def forward(self, x):
         gate = F.silu(linear(self.w1, x))  # [B, T, F]
-        y = linear(self.w2, gate * linear(self.w3, x))  # [B, T, E]
-        return y if self.all_reduce is None else self.all_reduce(y)
+        return linear(self.w2, gate * linear(self.w3, x))  # [B, T, E]
 
 
 class Block(nn.Module):
@@ -304,17 +292,18 @@ class Transformer(nn.Module):
     def forward(self, tokens, cache=None, last_only=False):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and
         the output matrix over every position of a long prompt costs as much as attention). With a
-        cache, tokens continue at position cache.length; with a list of B caches, row i continues
-        cache i at its own position (generate.decode_batch: B tasks' decode steps at once)."""
+        cache, the tokens continue where it stands: cache.starts gives the first position of every
+        row (one for all rows, or one per row: kvcache.BatchedCaches, B tasks' decode steps at once,
+        generate.decode_batch)."""
         B, T = tokens.shape
-        caches = cache if isinstance(cache, list) else [cache]
-        for c in caches:
-            if c is not None and self.args.sliding_window and c.windows != self.args.layer_windows:
-                raise ValueError(f"this cache attends with windows {c.windows}, the model's layers "
-                                 f"slide with {self.args.layer_windows}; build the cache with "
-                                 "kvcache.make_cache(model, ...)")
+        windows = self.args.layer_windows
+        if cache is not None and self.args.sliding_window and cache.windows != windows:
+            raise ValueError(f"this cache attends with windows {cache.windows}, the model's layers "
+                             f"slide with {windows}; build the cache with "
+                             "kvcache.make_cache(model, ...)")
         x = self.tok_embeddings(tokens)           # [B, T, E]
-        tables = [self.rope(0 if c is None else c.length, T, x.dtype) for c in caches]
+        starts = (0,) if cache is None else cache.starts
+        tables = [self.rope(start, T, x.dtype) for start in starts]
         cos = torch.stack([t[0] for t in tables]).unsqueeze(1)  # [B or 1, 1, T, D]: a row's table
         sin = torch.stack([t[1] for t in tables]).unsqueeze(1)
         for i, layer in enumerate(self.layers):
@@ -346,8 +335,9 @@ class Transformer(nn.Module):
             model = cls(model_args)
         # what the checkpoint must hold, and shapes
         params = dict(model.named_parameters(remove_duplicate=False))
-        # Int8Linear or Int4Linear (still on meta) in place of nn.Linear; no-op for None
-        quantize_linears(model, quantize)
+        if quantize:  # Int8Linear or Int4Linear (still on meta) in place of nn.Linear
+            from quantize import quantize_linears
+            quantize_linears(model, quantize)
         model.quantize = quantize  # part of what the KV depends on: belongs in a run's fingerprint
         tied = model_args.tie_embeddings
         loaded = set()
@@ -357,18 +347,18 @@ class Transformer(nn.Module):
                 continue
             module_name, _, attr = name.rpartition(".")
             module = model.get_submodule(module_name)
-            if isinstance(module, QUANTIZED_LINEARS) and attr == "weight":
+            if quantize and attr == "weight" and hasattr(module, "load_weight"):
                 # the full-precision tensor is dropped right after
                 module.load_weight(tensor.to(device))
             else:
                 setattr(module, attr, nn.Parameter(tensor.to(device, dtype), requires_grad=False))
-            quantized_output = isinstance(model.output, QUANTIZED_LINEARS)
+            quantized_output = hasattr(model.output, "load_weight")
             if tied and name == "tok_embeddings.weight" and quantized_output:
                 # tied: the output is a quantized copy of the embedding
                 model.output.load_weight(tensor.to(device))
             loaded.add(name)
         check_complete(params, loaded, model_args, ckpt_dir)
-        if tied and not isinstance(model.output, QUANTIZED_LINEARS):
+        if tied and not hasattr(model.output, "load_weight"):
             # re-tie: the tie was made on the meta device
             model.output.weight = model.tok_embeddings.weight
         model.inv_freq = rope_inv_freq(model_args).to(device)

@@ -379,8 +379,8 @@ class TieredStore:
 
     def read_back(self, l, j, dst):
         """Copy sealed chunk (l, j) into the host tensor dst, wherever it lives, and wait for it:
-        the persistent KV store (kvstore.py) keeps prompt chunks this way. Synchronous, and never
-        part of attention's schedule."""
+        the persistent KV store (runs/kvstore.py) keeps prompt chunks this way. Synchronous, and
+        never part of attention's schedule."""
         where = self.loc[(l, j)]
         if where is DEVICE:
             # to pageable memory: the copy waits for the compute that wrote it

@@ -16,8 +16,9 @@ digests computed from a chunk's bytes when it seals, never where a chunk lives. 
 --select and budget every mode reads the same chunks in the same order and merges them the same
 way, so verify.py's proof extends to it.
 
-To try a new selection, subclass Sparse and write `pick` (see Quest: about fifteen lines), add it
-to make_selection, and run `python verify.py --select NAME` and `python tools/longeval.py`.
+To try a new selection, subclass Sparse, give it a `name` and write `pick` (see Quest: about
+fifteen lines). Defining the class registers it: `--select NAME --select-budget N` of generate.py,
+verify.py and tools/longeval.py, their help texts and their error messages all read SELECTIONS.
 
 Shapes: B batch, G kv heads, R query heads per kv head, D head dim, C chunk size, n chunks.
 """
@@ -26,19 +27,33 @@ from dataclasses import dataclass
 
 import torch
 
-SELECTIONS = ("all", "sink", "quest", "oracle")
+# every selection by its --select name, in the order the classes are defined: a class with a
+# `name` registers itself (Exact.__init_subclass__)
+SELECTIONS = {}
 
 
 # -----------------------------------------------------------------------------
 # selection: which sealed chunks a step reads
 
 class Exact:
-    """Every visible chunk: exact attention. `first` is the first chunk any query of the step can
-    see: 0 with full attention, later on a sliding-window layer (kvcache.first_visible_chunk). That
-    visibility rule comes first; a selection chooses among the visible chunks."""
+    """Every visible chunk: exact attention (the default). `first` is the first chunk any query
+    of the step can see: 0 with full attention, later on a sliding-window layer
+    (attention.first_visible_chunk). That visibility rule comes first; a selection chooses among
+    the visible chunks."""
     name = "all"
-    summarizes = False  # True: wants every sealed chunk's keys (summarize)
-    reads_all = False   # True: attend every visible chunk, then merge the ones `choose` keeps
+    takes_budget = False  # True: --select NAME needs --select-budget TOKENS
+    summarizes = False    # True: wants every sealed chunk's keys (summarize)
+    reads_all = False     # True: attend every visible chunk, then merge the ones `choose` keeps
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a class that names itself is a --select choice
+            SELECTIONS[cls.name] = cls
+
+    @classmethod
+    def build(cls, budget, chunk_size, window, dense, n_layers):
+        """The selection for a run (make_selection's arguments): Exact needs none of them."""
+        return cls()
 
     def visits(self, layer, first, n_sealed, T, q=None):
         """The sealed chunks `layer` attends in this decode step of T queries (prefill steps read
@@ -52,6 +67,9 @@ class Exact:
         need of it (nothing here)."""
 
 
+SELECTIONS["all"] = Exact  # the subclasses register themselves
+
+
 class Sparse(Exact):
     """What the sparse selections share. A decode step (one query) of a layer past the first
     `dense` reads the first visible chunk (an attention sink, StreamingLLM), the `window` most
@@ -59,12 +77,18 @@ class Sparse(Exact):
     all with the sink counted and the window not. Prefill steps and the first `dense` layers stay
     exact, as in Quest. When the budget covers every visible chunk the visits are Exact's, so the
     output is --select all's bit for bit."""
+    takes_budget = True
     needs_queries = False  # True: `pick` scores chunks against the layer's queries
 
-    def __init__(self, budget, chunk_size, window, dense):
+    def __init__(self, budget, chunk_size, window, dense, n_layers=None):
         self.budget_chunks = budget // chunk_size  # make_selection refuses less than one chunk
         self.window = window
         self.dense = dense
+        self.n_layers = n_layers
+
+    @classmethod
+    def build(cls, budget, chunk_size, window, dense, n_layers):
+        return cls(budget, chunk_size, window, dense, n_layers)
 
     def always(self, layer, first, n_sealed, T):
         """The chunks this decode step reads in any case, or None when it is exact."""
@@ -93,15 +117,18 @@ class Sparse(Exact):
 class Sink(Sparse):
     """StreamingLLM's baseline: the first chunk and the window, nothing else."""
     name = "sink"
+    takes_budget = False
 
-    def __init__(self, chunk_size, window, dense):
-        super().__init__(chunk_size, chunk_size, window, dense)  # a budget of the sink alone
+    @classmethod
+    def build(cls, budget, chunk_size, window, dense, n_layers):
+        return cls(chunk_size, chunk_size, window, dense, n_layers)  # a budget of the sink alone
 
 
 class Quest(Sparse):
-    """Quest (Tang et al., 2024), a chunk at a time. When a chunk seals, its keys are summarised per
-    kv head and channel by their minimum and maximum: a digest of 2 x G x D values, 1/C of the
-    keys, kept on the device. For a query q no key of the chunk has q.k above
+    """The chunks whose key digests allow the highest scores for the step's queries, up to
+    --select-budget: Quest (Tang et al., 2024), a chunk at a time. When a chunk seals, its keys
+    are summarised per kv head and channel by their minimum and maximum: a digest of 2 x G x D
+    values, 1/C of the keys, kept on the device. For a query q no key of the chunk has q.k above
     sum over d of max(q_d min_d, q_d max_d). A chunk scores that bound minus the best chunk's bound
     for the same query head (an upper bound on the log of its weight relative to the best chunk),
     maximised over the heads: a chunk moves as a unit, so one head that needs it is enough."""
@@ -110,7 +137,7 @@ class Quest(Sparse):
     summarizes = True
 
     def __init__(self, budget, chunk_size, window, dense, n_layers):
-        super().__init__(budget, chunk_size, window, dense)
+        super().__init__(budget, chunk_size, window, dense, n_layers)
         self.digests = [[] for _ in range(n_layers)]  # per layer and sealed chunk: [2, B, G, D]
 
     def summarize(self, layer, j, keys):
@@ -133,10 +160,10 @@ class Quest(Sparse):
 
 
 class Oracle(Sparse):
-    """The ceiling, for evaluation only: attend every visible chunk, then merge only the k whose
-    true attention mass (the softmax of the chunks' log-sum-exps, averaged over query heads) is
-    largest. It reads everything, so it saves no bytes: it says how well a selection of k chunks
-    could do."""
+    """The true top chunks by attention mass, the ceiling for evaluation: it reads everything. It
+    attends every visible chunk, then merges only the k whose true attention mass (the softmax of
+    the chunks' log-sum-exps, averaged over query heads) is largest, so it saves no bytes: it says
+    how well a selection of k chunks could do."""
     name = "oracle"
     reads_all = True
 
@@ -166,22 +193,29 @@ def default_dense(n_layers):
 
 
 def make_selection(name, budget, chunk_size, window, n_layers, dense=None):
-    """The selection --select names. budget: tokens a decode step reads besides the window (None
-    with all); dense: layers left exact (default: default_dense)."""
+    """The selection --select names (SELECTIONS). budget: tokens a decode step reads besides the
+    window (None when the selection takes none); dense: layers left exact (default:
+    default_dense)."""
     if name not in SELECTIONS:
         raise ValueError(f"--select must be one of {', '.join(SELECTIONS)}, not {name!r}")
-    if name == "all":
-        return Exact()
+    cls = SELECTIONS[name]
     if dense is None:
         dense = default_dense(n_layers)
-    if name == "sink":
-        return Sink(chunk_size, window, dense)
-    if budget is None or budget < chunk_size:
+    if cls.takes_budget and (budget is None or budget < chunk_size):
         raise ValueError(f"--select {name} needs --select-budget of at least one chunk "
                          f"({chunk_size} tokens), got {budget}")
-    if name == "quest":
-        return Quest(budget, chunk_size, window, dense, n_layers)
-    return Oracle(budget, chunk_size, window, dense)
+    return cls.build(budget, chunk_size, window, dense, n_layers)
+
+
+def budgeted():
+    """The selections that take --select-budget, by name."""
+    return [name for name, cls in SELECTIONS.items() if cls.takes_budget]
+
+
+def summary(cls):
+    """What a selection does, for --help: the first sentence of its docstring (or its name)."""
+    doc = " ".join((cls.__doc__ or cls.name).split())
+    return doc.split(". ")[0].rstrip(".")
 
 
 # -----------------------------------------------------------------------------

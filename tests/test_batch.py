@@ -6,7 +6,7 @@ directory, owner-only files, the monitor's alerts, the trace and the statistics,
 lines. (Other storage faults are in test_disk_faults.py.)
 
 generate.py runs in a child process where the test needs one (a kill, a file-size limit); elsewhere
-cli.main() runs in-process, which is the same code minus ~3 s of importing torch.
+generate_cli.main() runs in-process, which is the same code minus ~3 s of importing torch.
 """
 import errno
 import json
@@ -22,13 +22,13 @@ import time
 import pytest
 import torch
 
-import cli
 from disk import ALIGN, round_up
 from model import Transformer
-from monitor import Monitor
 from offload import OffloadConfig, TieredStore
-from task import run_task
-from taskdir import TaskDir, TaskDirError, manifest_check, safe_task_name
+from runs import generate_cli
+from runs.monitor import Monitor
+from runs.task import run_task
+from runs.taskdir import TaskDir, TaskDirError, manifest_check, safe_task_name
 from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,7 +83,7 @@ def run_child(argv, **kwargs):
 def run_main(argv, capsys):
     """generate.py's main() in this process: (exit code, stderr)."""
     capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
+    rc = generate_cli.main([str(a) for a in argv])
     return rc, capsys.readouterr().err
 
 
@@ -127,7 +127,7 @@ def uninterrupted(text_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("uninterrupted")
     tasks = write_tasks(d / "tasks.jsonl", [SHORT, LONG])
     argv = batch_args(text_ckpt, str(tasks), str(d / "results.jsonl"), str(d / "off"), *DISK)
-    rc = cli.main(argv)
+    rc = generate_cli.main(argv)
     assert rc == 0
     lines = {r["id"]: line for line, r in results(d / "results.jsonl")}
     assert list(lines) == ["short", "long"]
@@ -220,7 +220,7 @@ def serial(text_ckpt, tmp_path_factory):
     tasks = write_tasks(d / "tasks.jsonl", TASKS)
     argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", *DISK, "--top-p", "0.9",
                       "--batch-size", 1)
-    assert cli.main([str(a) for a in argv]) == 0
+    assert generate_cli.main([str(a) for a in argv]) == 0
     return by_id(d / "results.jsonl")
 
 
@@ -541,7 +541,7 @@ def test_second_user_of_a_task_dir_is_refused_in_process(tmp_path):
 HOLDER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from taskdir import TaskDir
+from runs.taskdir import TaskDir
 t = TaskDir(sys.argv[2], 'busy')
 print('holding', flush=True)
 sys.stdin.read()

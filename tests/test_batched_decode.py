@@ -15,12 +15,12 @@ import torch
 import disk
 import model as model_module
 import rowwise
-import verify
 from generate import decode_batch, decode_one_token, prefill
 from kvcache import make_cache
 from model import Transformer
 from offload import OffloadConfig
 from rowwise import linear
+from runs import proofs
 from test_batch import TOPICS, batch_args, by_id, run_main, write_tasks
 
 C = 8
@@ -199,7 +199,7 @@ VERIFY = ["--chunk-size", "16", "--window", "1", "--max-new-tokens", "24",
 
 
 def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path, capsys):
-    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    rc = proofs.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     for mode in ("none", "disk"):
@@ -216,6 +216,6 @@ def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_
         y = real(layer, x)
         return y + 1e-3 * (x.shape[0] - 1)  # 0 alone, something in a batch
     monkeypatch.setattr(model_module, "linear", leaky)
-    rc = verify.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
+    rc = proofs.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1 and "MISMATCH batch none task" in out and "FAILED" in out, out

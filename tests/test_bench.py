@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import bench
-from random_model import parse_model_spec
+from measure import bench
+from measure.random_model import parse_model_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = "dim=32,layers=2,heads=4,kv_heads=2,hidden=64,vocab=128"

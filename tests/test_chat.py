@@ -14,7 +14,7 @@ import pytest
 
 from checkpoint import CheckpointError
 from model import Transformer
-from progress import Progress, duration
+from runs.progress import Progress, duration
 from tokenizer import Tokenizer, chat_messages, messages_problem
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing "
@@ -344,7 +344,7 @@ def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
     may carry "messages"."""
     import shutil
 
-    import cli
+    from runs import generate_cli
     ckpt = tmp_path / "instruct"
     shutil.copytree(checkpoint(vocab_size=384), ckpt)
     toks = build_json_ckpt(tmp_path / "tok", CHATML)
@@ -352,18 +352,19 @@ def test_generate_chat_builds_transformers_ids(checkpoint, tmp_path, capsys):
         shutil.copy(toks / name, ckpt / name)
     question = "the lazy dog jumps over a fox"
     capsys.readouterr()
-    assert cli.main(["--ckpt", str(ckpt), "--chat", "--system", SYSTEM, "--prompt", question,
-                     "--json", "--max-new-tokens", "2", "--chunk-size", "16"]) == 0
+    argv = ["--ckpt", str(ckpt), "--chat", "--system", SYSTEM, "--prompt", question, "--json",
+            "--max-new-tokens", "2", "--chunk-size", "16"]
+    assert generate_cli.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["prompt_ids"] == hf_chat_ids(ckpt, chat_messages(question, SYSTEM))
     tasks = tmp_path / "tasks.jsonl"
     out = tmp_path / "results.jsonl"
     task = {"id": "m", "messages": CHATS["turns"], "max_new_tokens": 2}
     tasks.write_text(json.dumps(task) + "\n")
-    assert cli.main(["--ckpt", str(ckpt), "--prompts", str(tasks), "--output", str(out),
+    assert generate_cli.main(["--ckpt", str(ckpt), "--prompts", str(tasks), "--output", str(out),
                      "--chunk-size", "16"]) == 0
     assert json.loads(out.read_text())["prompt_ids"] == hf_chat_ids(ckpt, CHATS["turns"])
     capsys.readouterr()
     # --system needs --chat
-    assert cli.main(["--ckpt", str(ckpt), "--system", SYSTEM, "--prompt", question]) == 2
+    assert generate_cli.main(["--ckpt", str(ckpt), "--system", SYSTEM, "--prompt", question]) == 2
     assert "--chat" in capsys.readouterr().err

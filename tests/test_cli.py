@@ -13,15 +13,14 @@ import sys
 import pytest
 import torch
 
-import cli
 import generate
-import probe
-import verify
 from ckpt import edit_config
+from measure import probe
 from model import Transformer
 from offload import OffloadConfig, TieredStore
 from pools import DISK
-from task import run_task
+from runs import flags, generate_cli, proofs
+from runs.task import run_task
 from tokenizer import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +32,7 @@ TEXT = PROMPT + " "  # to repeat
 def main_in_process(argv, capsys):
     """generate.py's main() in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
+    rc = generate_cli.main([str(a) for a in argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -107,18 +106,19 @@ def test_help_is_grouped_and_opens_with_what_it_does():
     lines = help_text.splitlines()
     assert lines[0].startswith("usage: generate.py") and lines[2].startswith("Generate text"), lines
     headings = [line[:-1] for line in lines if line and not line[0].isspace() and line[-1] == ":"]
-    assert headings == ["options", *cli.HELP_GROUPS, "example"], headings
-    p = cli.build_parser()
+    assert headings == ["options", *generate_cli.HELP_GROUPS, "example"], headings
+    p = generate_cli.build_parser()
     flags = [a for a in p._actions if a.dest != "help"]
-    grouped = [d for dests in cli.HELP_GROUPS.values() for d in dests]
+    grouped = [d for dests in generate_cli.HELP_GROUPS.values() for d in dests]
     assert len(grouped) == len(set(grouped)) and {a.dest for a in flags} <= set(grouped)
     listed = [line.split()[0] for line in lines if line.startswith("  --")]
     assert sorted(listed) == sorted(a.option_strings[0] for a in flags)  # each flag listed once
     assert all(a.help for a in flags)
     for dest in ("chunk_size", "window", "offload", "max_new_tokens"):
         action = next(a for a in flags if a.dest == dest)  # the defaults said are the ones used
-        assert f"default {cli.CKPT_DEFAULTS[dest]}; {cli.DEMO_DEFAULTS[dest]} in the demo" in (
-            action.help), action.help
+        said = (f"default {generate_cli.CKPT_DEFAULTS[dest]}; "
+                f"{generate_cli.DEMO_DEFAULTS[dest]} in the demo")
+        assert said in action.help, action.help
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
@@ -157,7 +157,7 @@ def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch,
         return kv
     monkeypatch.setattr(generate, "forward", forward)
     monkeypatch.setattr(TieredStore, "load", load)
-    rc = verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", str(C),
+    rc = proofs.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", str(C),
                       "--window", "1", "--max-new-tokens", "4", "--max-prompt-tokens", "60",
                       "--offload-dir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -228,10 +228,10 @@ def test_no_empty_offload_dir_is_left_behind_on_any_exit(text_ckpt, tmp_path, mo
     def spy(args):
         existed.append(os.path.isdir(args.offload_dir))
         real(args)
-    real = cli.remove_created_offload_dir
-    for module in (cli, verify, probe):
+    real = flags.remove_created_offload_dir
+    for module in (generate_cli, proofs, probe):
         monkeypatch.setattr(module, "remove_created_offload_dir", spy)
-    assert verify.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", "8", "--window",
+    assert proofs.main(["--ckpt", text_ckpt, "--modes", "disk", "--chunk-size", "8", "--window",
                         "1", "--max-new-tokens", "2", "--max-prompt-tokens", "40"]) == 0
     rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--prompt-file",
                                   tmp_path / "missing.txt"], capsys)

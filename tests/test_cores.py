@@ -1,7 +1,7 @@
 """
-The thread count a CPU run uses when not told (cores.py, cli.set_threads): the cores the process may
-use (affinity, a cgroup quota) less those another process keeps busy; --threads and OMP_NUM_THREADS
-win over it.
+The thread count a CPU run uses when not told (cores.py, flags.set_threads): the cores the process
+may use (affinity, a cgroup quota) less those another process keeps busy; --threads and
+OMP_NUM_THREADS win over it.
 """
 import os
 import subprocess
@@ -12,8 +12,7 @@ import time
 import pytest
 import torch
 
-import cli
-import cores
+from runs import cores, flags, generate_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,12 +54,12 @@ def test_a_core_another_process_keeps_busy_is_not_used(monkeypatch):
 def test_the_flag_and_the_environment_win(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    args = cli.build_parser().parse_args(["--threads", "3"])
-    cli.set_threads(args)
+    args = generate_cli.build_parser().parse_args(["--threads", "3"])
+    flags.set_threads(args)
     assert calls == [3]
-    args = cli.build_parser().parse_args([])
+    args = generate_cli.build_parser().parse_args([])
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    cli.set_threads(args)
+    flags.set_threads(args)
     assert calls == [3]  # torch read OMP_NUM_THREADS itself: nothing set
     monkeypatch.delenv("OMP_NUM_THREADS")
 
@@ -68,7 +67,7 @@ def test_the_flag_and_the_environment_win(monkeypatch):
         def threads(self):
             return 1, "threads: 1 (a test)"
     said = []
-    cli.set_threads(args, Watch(), said.append)
+    flags.set_threads(args, Watch(), said.append)
     assert calls == [3, 1] and said == ["threads: 1 (a test)"]
 
 

@@ -17,10 +17,10 @@ import disk
 from disk import DiskError
 from generate import decode_batch, decode_one_token, prefill
 from kvcache import make_cache
-from kvstore import KVStore
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs.kvstore import KVStore
+from runs.task import run_task
 
 # P + NEW - 1 = 56 positions: the last step seals a chunk, so copies are queued at close
 C = 7     # chunk size

@@ -77,7 +77,7 @@ def test_offloaded_generation_matches_golden(ours, tok, tmp_path, mode, compress
     reproduces transformers' greedy ids: any change to the forward pass or the cache that alters
     output is caught."""
     from offload import OffloadConfig
-    from task import run_task
+    from runs.task import run_task
     cfg = OffloadConfig(mode=mode, window=1, compress=compress, offload_dir=str(tmp_path))
     new, stats = run_task(ours, GOLDEN["prompt_ids"], len(GOLDEN["new_ids"]), chunk_size=8,
                           cfg=cfg, eos_ids=tok.eos_ids)
@@ -96,7 +96,7 @@ def test_demo_command_runs_offloaded(tmp_path):
                         "--offload-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    from cli import DEMO_PROMPT
+    from runs.flags import DEMO_PROMPT
     # the generated text alone (--echo would print the prompt first)
     assert not p.stdout.startswith(DEMO_PROMPT[:20]) and len(p.stdout.split()) > 20, p.stdout
     stats = p.stderr.strip().splitlines()[-1]

@@ -12,11 +12,11 @@ import os
 
 import pytest
 
-import cli
 import disk
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs import generate_cli
+from runs.task import run_task
 from test_batch import DISK, ONE, TOPICS, batch_args, by_id, run_main, write_tasks
 from test_cli import TEXT
 from tokenizer import load_tokenizer
@@ -58,7 +58,7 @@ def plain_one(text_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("plain")
     tasks = write_tasks(d / "tasks.jsonl", ONE)
     argv = batch_args(text_ckpt, tasks, d / "results.jsonl", d / "off", "--chunk-size", C)
-    assert cli.main([str(a) for a in argv]) == 0
+    assert generate_cli.main([str(a) for a in argv]) == 0
     return by_id(d / "results.jsonl")["one"]
 
 

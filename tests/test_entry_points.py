@@ -10,10 +10,7 @@ import sys
 
 import pytest
 
-import bench
-import doctor
-import probe
-import tune
+from measure import bench, doctor, probe, tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = [("tune.py", "bench.py --tune"),

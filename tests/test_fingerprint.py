@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import taskdir
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
-from taskdir import model_fingerprint, run_fingerprint, safe_task_name
+from runs import taskdir
+from runs.task import run_task
+from runs.taskdir import model_fingerprint, run_fingerprint, safe_task_name
 
 C = 16    # chunk size
 NEW = 40  # new tokens
@@ -146,7 +146,7 @@ def test_another_thread_count_never_resumes_or_reuses(twins, tmp_path):
     """A CPU's kernels split their sums by the thread count, so the KV's bits change with --threads:
     a manifest or a stored chunk made with 2 threads is not trusted by a run with 1, which starts
     over and gives exactly what a clean run with 1 thread gives."""
-    from kvstore import KVStore
+    from runs.kvstore import KVStore
     model = Transformer.from_pretrained(twins[0])
     ids = torch.randint(3, model.args.vocab_size, (70,),
                         generator=torch.Generator().manual_seed(5)).tolist()

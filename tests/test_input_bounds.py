@@ -6,7 +6,7 @@ templates that fail or try to allocate without bound, shard paths outside the ch
 that would share a directory, and a KV store with several bad entries. Each case ends in exit code 2
 and one line (no traceback), or in the output of a clean run.
 
-generate.py's main() runs in this process (cli.main) on the tiny sentencepiece checkpoint.
+generate.py's main() runs in this process (generate_cli.main) on the tiny sentencepiece checkpoint.
 """
 import hashlib
 import io
@@ -20,15 +20,15 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 
-import cli
 from checkpoint import CheckpointError
 from generate import generate
 from kvcache import make_cache
-from kvstore import KVStore
 from model import Transformer
 from offload import OffloadConfig, TieredStore
-from task import run_task
-from taskdir import model_fingerprint, safe_task_name
+from runs import generate_cli
+from runs.kvstore import KVStore
+from runs.task import run_task
+from runs.taskdir import model_fingerprint, safe_task_name
 from test_cli import PROMPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,9 +36,9 @@ BASE = ["--max-new-tokens", 6, "--chunk-size", 16, "--json"]
 
 
 def main(argv, capsys):
-    """cli.main in this process: (exit code, stdout, stderr)."""
+    """generate_cli.main in this process: (exit code, stdout, stderr)."""
     capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
+    rc = generate_cli.main([str(a) for a in argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -54,7 +54,8 @@ def one_line(err, *words):
 def clean_tokens(text_ckpt):
     """The tokens of generate.py on PROMPT with BASE and no offload."""
     with redirect_stdout(io.StringIO()) as out:
-        assert cli.main([str(a) for a in ["--ckpt", text_ckpt, "--prompt", PROMPT, *BASE]]) == 0
+        argv = [str(a) for a in ["--ckpt", text_ckpt, "--prompt", PROMPT, *BASE]]
+        assert generate_cli.main(argv) == 0
     return json.loads(out.getvalue())["tokens"]
 
 

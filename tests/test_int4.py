@@ -17,11 +17,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-import cli
 import quantize
-import tune
 from ckpt import add_sentencepiece
 from kvlayout import Int4Layout, kv_bytes_per_token, kv_chunk_bytes
+from measure import tune
 from model import ModelArgs, Transformer
 from offload import OffloadConfig
 from pools import alloc_chunks
@@ -38,7 +37,8 @@ from quantize import (
     unpack_int4,
     weight_bytes,
 )
-from task import run_task
+from runs import generate_cli
+from runs.task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -445,9 +445,9 @@ def test_resumed_int4_run_is_the_uninterrupted_one(llama, tmp_path):
 # the command line, the fingerprint, the tools
 
 def fingerprint(ckpt, *flags):
-    args = cli.build_parser().parse_args(["--ckpt", ckpt, *flags])
-    cli.check_common(args, needs_disk=False)
-    return cli.run_fingerprint(ckpt, args)
+    args = generate_cli.build_parser().parse_args(["--ckpt", ckpt, *flags])
+    flags.check_common(args, needs_disk=False)
+    return flags.run_fingerprint(ckpt, args)
 
 
 def test_fingerprint_changes_with_int4_and_its_group_size(llama_ckpt):
@@ -465,7 +465,8 @@ def test_generate_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
     gives, and the result's config names the weights' format and the group size."""
     out = {}
     for mode in ("none", "disk"):
-        assert cli.main(["--ckpt", text_ckpt, "--prompt", "The with statement wraps a block. " * 8,
+        assert generate_cli.main(["--ckpt", text_ckpt, "--prompt",
+                                  "The with statement wraps a block. " * 8,
                          "--chunk-size", "8", "--window", "1", "--max-new-tokens", "6",
                          "--offload", mode, "--offload-dir", str(tmp_path), "--quantize", "int4",
                          "--kv-dtype", "int4", "--json"]) == 0
@@ -482,7 +483,7 @@ def test_generate_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
     (("--group-size", "64"), "--group-size goes with --quantize int4"),
 ])
 def test_generate_refuses_in_one_line(text_ckpt, capsys, flags, words):
-    assert cli.main(["--ckpt", text_ckpt, "--prompt", "x", *flags]) == 2
+    assert generate_cli.main(["--ckpt", text_ckpt, "--prompt", "x", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and words in err, err
 
@@ -517,7 +518,7 @@ def test_generate_refuses_int4_kv_for_an_odd_head_dim(tmp_path, capsys):
     for name, shape in layer.items():
         shapes[f"model.layers.0.{name}.weight"] = shape
     save_file({n: torch.zeros(s) for n, s in shapes.items()}, str(tmp_path / "model.safetensors"))
-    assert cli.main(["--ckpt", str(tmp_path), "--prompt", "x", "--kv-dtype", "int4"]) == 2
+    assert generate_cli.main(["--ckpt", str(tmp_path), "--prompt", "x", "--kv-dtype", "int4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "head_dim 15 is odd" in err, err
 
@@ -527,16 +528,17 @@ def test_generate_says_once_which_layers_no_kernel_takes(checkpoint, tmp_path, c
     said once on stderr."""
     ckpt = shutil.copytree(checkpoint(vocab_size=420), tmp_path / "m")
     add_sentencepiece(str(ckpt), vocab_size=400)
-    assert cli.main(["--ckpt", str(ckpt), "--prompt", "The for statement. " * 4, "--quantize",
-                     "int4", "--chunk-size", "8", "--max-new-tokens", "3"]) == 0
+    argv = ["--ckpt", str(ckpt), "--prompt", "The for statement. " * 4, "--quantize", "int4",
+            "--chunk-size", "8", "--max-new-tokens", "3"]
+    assert generate_cli.main(argv) == 0
     err = capsys.readouterr().err
     assert err.count("--quantize int4: 1 linear layer(s) (output, ...)") == 1, err
 
 
 def test_verify_passes_with_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
-    import verify
+    from runs import proofs
     for flags in (["--kv-dtype", "int4"], ["--quantize", "int4"]):
-        rc = verify.main(["--ckpt", text_ckpt, *flags, "--max-new-tokens", "8", "--chunk-size",
+        rc = proofs.main(["--ckpt", text_ckpt, *flags, "--max-new-tokens", "8", "--chunk-size",
                           "16", "--window", "1", "--max-prompt-tokens", "150", "--offload-dir",
                           str(tmp_path), "--json"])
         r = json.loads(capsys.readouterr().out)
@@ -546,7 +548,7 @@ def test_verify_passes_with_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
 
 
 def test_probe_counts_int4_chunks(llama):
-    import probe
+    from measure import probe
     assert probe.decode_step_s(llama, 20, 8, steps=1, kv_dtype="int4") > 0
     z = probe.zstd_on_real_kv(llama, 8, kv_dtype="int4")
     model_args = llama.args

@@ -14,7 +14,7 @@ from kvlayout import Int8Layout, PlainLayout, chunk_layout, kv_bytes_per_token
 from model import ModelArgs, Transformer
 from offload import OffloadConfig
 from pools import alloc_chunks
-from task import run_task
+from runs.task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ def test_int8_cached_path_agrees_with_fp32_on_tiny_checkpoint(llama):
 def test_int8_greedy_agrees_with_unquantized_demo_model():
     """The demo model on Python's documentation: measured 98.9% teacher-forced top-1 (2048 tokens)
     and 98.4% greedy agreement (128 tokens); here a shorter text keeps the test fast."""
-    from cli import DEMO_CKPT
+    from runs.flags import DEMO_CKPT
     from tokenizer import load_tokenizer
     model = Transformer.from_pretrained(DEMO_CKPT, dtype=torch.float32)
     ids = quality.pydoc_ids(load_tokenizer(DEMO_CKPT), 640)
@@ -184,8 +184,8 @@ def test_int8_greedy_agrees_with_unquantized_demo_model():
 
 
 def test_verify_passes_with_int8_kv(text_ckpt, tmp_path, capsys):
-    import verify
-    rc = verify.main(["--ckpt", text_ckpt, "--kv-dtype", "int8", "--max-new-tokens", "8",
+    from runs import proofs
+    rc = proofs.main(["--ckpt", text_ckpt, "--kv-dtype", "int8", "--max-new-tokens", "8",
                       "--chunk-size", "16", "--window", "1", "--max-prompt-tokens", "150",
                       "--offload-dir", str(tmp_path), "--json"])
     r = json.loads(capsys.readouterr().out)
@@ -197,7 +197,7 @@ def test_verify_passes_with_int8_kv(text_ckpt, tmp_path, capsys):
 
 
 def test_probe_calibrates_and_counts_int8_chunks(llama):
-    import probe
+    from measure import probe
     # fills int8 chunks through the layout
     assert probe.decode_step_s(llama, 20, 8, steps=1, kv_dtype="int8") > 0
     z = probe.zstd_on_real_kv(llama, 8, kv_dtype="int8")
@@ -211,7 +211,7 @@ def test_probe_predicts_int8_bytes_on_a_slow_link():
     chunk's bytes."""
     import argparse
 
-    import probe
+    from measure import probe
     model_args = ModelArgs(n_layers=4, n_kv_heads=2, head_dim=64)
     cal = {"zstd": None, "link_gbps": {"h2d_pinned": 1e-3, "host_memcpy": 10.0},
            "worker_handoff_s": 0.0, "chunk_s": 0.0, "step_s": 0.0}
@@ -226,10 +226,11 @@ def test_probe_predicts_int8_bytes_on_a_slow_link():
 def test_generate_threads_kv_dtype(text_ckpt, tmp_path, capsys):
     """generate.py --kv-dtype int8 reaches the cache: the same tokens with the disk tier as without
     offload, and the statistics say which KV dtype ran."""
-    import cli
+    from runs import generate_cli
     out = {}
     for mode in ("none", "disk"):
-        assert cli.main(["--ckpt", text_ckpt, "--prompt", "The with statement wraps a block. " * 8,
+        assert generate_cli.main(["--ckpt", text_ckpt, "--prompt",
+                                  "The with statement wraps a block. " * 8,
                          "--chunk-size", "8", "--window", "1", "--max-new-tokens", "6",
                          "--offload", mode, "--offload-dir", str(tmp_path), "--kv-dtype", "int8",
                          "--json"]) == 0

@@ -19,14 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import cli
-import kvstore
 from disk import ALIGN
-from kvstore import HEADER, KVStore, StoreError, chunk_keys
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
-from taskdir import model_fingerprint, run_fingerprint
+from runs import generate_cli, kvstore
+from runs.kvstore import HEADER, KVStore, StoreError, chunk_keys
+from runs.task import run_task
+from runs.taskdir import model_fingerprint, run_fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPE = (2, 1, 2, 16, 8)  # one chunk [2, B, G, C, D]
@@ -330,8 +329,8 @@ def test_store_is_owner_only(tmp_path):
 
 
 def run_kvstore(*args):
-    """kvstore.py's command line in a child process."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, "kvstore.py"), *map(str, args)],
+    """python -m runs.kvstore in a child process."""
+    return subprocess.run([sys.executable, "-m", "runs.kvstore", *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
@@ -364,7 +363,7 @@ def test_cli_bad_usage_is_one_sentence_and_exit_2(tmp_path, args):
     out = run_kvstore(*(a.format(tmp=tmp_path) for a in args))
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvstore.py: error: "), out.stderr
+    assert len(lines) == 1 and lines[0].startswith("runs.kvstore: error: "), out.stderr
 
 
 # -----------------------------------------------------------------------------
@@ -444,14 +443,14 @@ def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, 
     runs = []
     for q in ("What is it?", "Why?"):
         capsys.readouterr()
-        assert cli.main([str(a) for a in common + ["--prompt", doc + q, "--json"]]) == 0
+        assert generate_cli.main([str(a) for a in common + ["--prompt", doc + q, "--json"]]) == 0
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["stats"]["reused_tokens"] == 0 and runs[1]["stats"]["reused_tokens"] >= 16 * 3
     tasks = tmp_path / "tasks.jsonl"
     lines = [json.dumps({"id": i, "prompt": doc + q}) + "\n" for i, q in enumerate(["A?", "B?"])]
     tasks.write_text("".join(lines))
     out = tmp_path / "results.jsonl"
-    assert cli.main([str(a) for a in common + ["--prompts", tasks, "--output", out]]) == 0
+    assert generate_cli.main([str(a) for a in common + ["--prompts", tasks, "--output", out]]) == 0
     stats = [json.loads(line)["stats"] for line in out.read_text().splitlines()]
     # the document was computed once, long ago
     assert all(s["reused_tokens"] >= 16 * 3 for s in stats), stats

@@ -13,14 +13,14 @@ import time
 import pytest
 import torch
 
-import task
 from generate import Sampling
 from kvcache import make_cache
-from kvstore import HOST, KVStore
 from model import Transformer
 from offload import OffloadConfig
-from task import PromptCache, run_task, timed_generate
-from tp import Layout
+from runs import task
+from runs.kvstore import HOST, KVStore
+from runs.task import PromptCache, run_task, timed_generate
+from runs.tp import Layout
 
 C = 8          # chunk size
 N_CHUNKS = 5   # full chunks of the prompt: the shared document

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import cli
+from runs import generate_cli
 from test_cli import TEXT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +47,7 @@ def children(pid):
 def single(argv, capsys):
     """generate.py's main() in one process; it must succeed: its stdout."""
     capsys.readouterr()
-    rc = cli.main([str(a) for a in argv])
+    rc = generate_cli.main([str(a) for a in argv])
     out = capsys.readouterr()
     assert rc == 0, out.err
     return out.out
@@ -119,7 +119,7 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
 def test_launch_refusals_are_one_sentence(text_ckpt, capsys, case):
     if case == "tp without torchrun":
         capsys.readouterr()
-        assert cli.main(["--ckpt", text_ckpt, "--prompt", TEXT, "--tp", "2"]) == 2
+        assert generate_cli.main(["--ckpt", text_ckpt, "--prompt", TEXT, "--tp", "2"]) == 2
         err = capsys.readouterr().err
     else:
         p = torchrun("generate.py", "--ckpt", text_ckpt, "--prompt", TEXT, "--tp", 3)

@@ -13,15 +13,16 @@ import pytest
 import torch
 
 import kvcache
-import task
+from attention import first_visible_chunk
 from checkpoint import CheckpointError
 from ckpt import build_checkpoint, edit_config
 from generate import Sampling
-from kvcache import KVCache, first_visible_chunk
+from kvcache import KVCache
 from kvlayout import PlainLayout
 from model import Transformer
 from offload import OffloadConfig, TieredStore
 from rope import context_refusal, rope_inv_freq, rope_override_note
+from runs import task
 
 ATOL = 1e-4  # max abs logit difference allowed against transformers, everything in fp32
 # past original_max_position_embeddings (64), the sliding window (21) and the override's 128

@@ -15,7 +15,7 @@ from disk import ALIGN, round_up
 from generate import Sampling
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs.task import run_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = [("cpu", "none"), ("disk", "none"), ("disk", "zstd")]
@@ -184,7 +184,7 @@ import torch
 sys.path.insert(0, {root!r})
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs.task import run_task
 
 m = Transformer.from_pretrained({ckpt!r})
 peaks = []

@@ -8,13 +8,11 @@ from argparse import Namespace
 import pytest
 import torch
 
-import doctor
-import probe
-import tune
+from measure import doctor, probe, tune
 from model import Transformer
-from monitor import Monitor
 from offload import OffloadConfig
-from task import run_task
+from runs.monitor import Monitor
+from runs.task import run_task
 
 CASES = [  # prompt tokens, new tokens, chunk size, window, --offload, --cpu-budget in chunks
     (70, 6, 16, 1, "disk", None),   # the last position mid-chunk

@@ -6,18 +6,19 @@ scratch over those keys); Quest's bound and the oracle's mass against direct com
 and the KV store under a selection; refusals.
 """
 import math
+import os
 
 import pytest
 import torch
 
-import cli
 from generate import Sampling
 from kvcache import KVCache
-from kvstore import KVStore
 from model import Transformer
 from offload import OffloadConfig
 from policy import Oracle, Quest, make_selection, plan_tiers
-from task import run_task
+from runs import generate_cli
+from runs.kvstore import KVStore
+from runs.task import run_task
 
 C = 8
 PROMPT = 150          # tokens: 18 full chunks, then a partial one
@@ -289,10 +290,49 @@ def test_sampled_tokens_under_quest_are_reproducible_across_modes(llama, tmp_pat
 def test_bad_selection_flags_are_one_sentence(text_ckpt, capsys, argv, needle):
     capsys.readouterr()
     try:
-        rc = cli.main(["--ckpt", text_ckpt, "--chunk-size", "16", *argv])
+        rc = generate_cli.main(["--ckpt", text_ckpt, "--chunk-size", "16", *argv])
     except SystemExit as e:  # argparse's own refusals (an unknown --select name)
         rc = e.code
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert needle in lines[0], lines[0]
+
+
+def test_the_readmes_new_selection_is_one_class(tmp_path):
+    """The README's Recent example, added to policy.py as one class and registered nowhere else,
+    runs with generate.py, verify.py and tools/longeval.py (in a copy of the repository)."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = tmp_path / "repo"
+    shutil.copytree(root, repo, ignore=shutil.ignore_patterns(".*", "__pycache__", "tests",
+                                                              "docs", "kv_cache_offload"))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    example = re.search(r"```\n(class Recent\(Sparse\):.*?)```", readme, re.S).group(1)
+    with open(repo / "policy.py", "a", encoding="utf-8") as f:
+        f.write("\n\n" + example)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    kv = tmp_path / "kv"
+    commands = [
+        ["generate.py", "--select", "recent", "--select-budget", "256", "--offload-dir", kv],
+        ["verify.py", "--select", "recent", "--select-budget", "256", "--modes", "disk",
+         "--max-prompt-tokens", "400", "--max-new-tokens", "8", "--offload-dir", kv],
+        ["tools/longeval.py", "--policies", "all,recent:256", "--lengths", "600", "--depths",
+         "0.5", "--doc-tokens", "700", "--eval-tokens", "8", "--chunk-size", "64", "--threads",
+         "1"],
+    ]
+    out = {}
+    for argv in commands:
+        p = subprocess.run([sys.executable, *map(str, argv)], cwd=repo, env=env,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (argv[0], p.stderr[-2000:])
+        out[argv[0]] = p.stdout
+    assert "recent:256" in out["tools/longeval.py"], out["tools/longeval.py"]
+    # verify read a selection (chunk 64, 400 + 8 tokens: 6 sealed chunks, a budget of 4) and
+    # proved the disk tier bit-identical under it
+    assert "--select recent (budget 256 tokens)" in out["verify.py"], out["verify.py"]
+    assert "disk       bit-identical" in out["verify.py"], out["verify.py"]

@@ -5,7 +5,7 @@ at any name the project opens is never followed (the file it points to, outside,
 byte as it was), and the run either refuses or gives the output of a clean run; every file the
 project writes is 0600 and every directory 0700.
 
-generate.py's main() runs in this process (cli.main), on the tiny sentencepiece checkpoint.
+generate.py's main() runs in this process (generate_cli.main), on the tiny sentencepiece checkpoint.
 """
 import contextlib
 import io
@@ -15,12 +15,10 @@ import stat
 
 import pytest
 
-import cli
-import doctor
-import probe
-import taskdir
+from measure import doctor, probe
 from private import PrivateError, create_private, make_private_dir, open_private, write_atomic
-from taskdir import safe_task_name
+from runs import generate_cli, taskdir
+from runs.taskdir import safe_task_name
 from test_cli import PROMPT
 
 # 3 prompt chunks of 16 and a window of 1: chunks reach the disk tier, manifests are written
@@ -32,7 +30,7 @@ def generate(ckpt, offload_dir, capsys, *flags):
     """generate.py on one prompt (task id "0"): (exit code, stdout, stderr)."""
     capsys.readouterr()
     argv = ["--ckpt", ckpt, "--prompt", PROMPT * 3, "--offload-dir", offload_dir, *DISK, *flags]
-    rc = cli.main([str(a) for a in argv])
+    rc = generate_cli.main([str(a) for a in argv])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -71,7 +69,7 @@ def clean_tokens(text_ckpt, tmp_path_factory):
     off = tmp_path_factory.mktemp("clean") / "off"
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT * 3, "--offload-dir", off, *DISK]
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        rc = cli.main([str(a) for a in argv])
+        rc = generate_cli.main([str(a) for a in argv])
     assert rc == 0
     return tokens(out.getvalue())
 
@@ -176,8 +174,9 @@ def test_a_hostile_task_directory_fails_that_task_alone(text_ckpt, tmp_path, cap
                              for i in ("a", "b")))
     output = tmp_path / "results.jsonl"
     capsys.readouterr()
-    rc = cli.main([str(a) for a in ["--ckpt", text_ckpt, "--prompts", tasks, "--output", output,
-                                    "--offload-dir", off, *DISK[:6]]])
+    argv = [str(a) for a in ["--ckpt", text_ckpt, "--prompts", tasks, "--output", output,
+                             "--offload-dir", off, *DISK[:6]]]
+    rc = generate_cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
     failed = [line for line in err.splitlines() if line.startswith("task a: FAILED")]
@@ -296,7 +295,7 @@ def test_results_never_follow_a_link(text_ckpt, tmp_path, capsys, victim):
     output = tmp_path / "results.jsonl"
     output.symlink_to(victim)
     capsys.readouterr()
-    rc = cli.main(["--ckpt", text_ckpt, "--prompts", str(tasks), "--output", str(output),
+    rc = generate_cli.main(["--ckpt", text_ckpt, "--prompts", str(tasks), "--output", str(output),
                    "--offload-dir", str(tmp_path / "off"), "--chunk-size", "16"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -344,7 +343,7 @@ def test_every_file_is_0600_and_every_directory_0700(text_ckpt, tmp_path, capsys
     out = tmp_path / "out"
     old = os.umask(0)
     try:
-        rc = cli.main([str(a) for a in [
+        rc = generate_cli.main([str(a) for a in [
             "--ckpt", text_ckpt, "--prompts", tasks, "--output", out / "results.jsonl",
             "--offload-dir", out / "off", "--kv-store", out / "store", "--trace",
             out / "trace.jsonl", "--keep-cache", *DISK[:6], "--compress", "zstd"]])

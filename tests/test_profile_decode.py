@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import profile_decode  # noqa: E402
-from random_model import PRESETS  # noqa: E402
+from measure.random_model import PRESETS  # noqa: E402
 
 
 def test_every_part_is_clocked_and_its_bytes_are_the_weights_and_kv_it_reads(capsys):

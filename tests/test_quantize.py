@@ -24,7 +24,7 @@ from quantize import (
     quantize_weight,
     weight_bytes,
 )
-from task import run_task
+from runs.task import run_task
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")

@@ -15,8 +15,8 @@ import torch
 
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
-from taskdir import manifest_check, safe_task_name
+from runs.task import run_task
+from runs.taskdir import manifest_check, safe_task_name
 
 C = 8     # chunk size
 NEW = 20  # new tokens

@@ -10,11 +10,11 @@ import shutil
 
 import pytest
 
-import cli
 from ckpt import edit_config
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs import flags, generate_cli
+from runs.task import run_task
 from test_cli import TEXT, main_in_process
 
 
@@ -84,6 +84,6 @@ def test_kv_made_under_another_rope_setting_is_not_adopted(short_ckpt, tmp_path,
     assert runs[0]["reused_tokens"] == 0 and runs[1]["reused_tokens"] > 0  # the same setting reuses
     assert runs[2]["reused_tokens"] == 0                                   # another one never does
     # resume keys on the same fingerprint: it differs between the settings
-    a = cli.build_parser().parse_args(["--rope-scaling", "yarn", "--rope-factor", "2"])
-    b = cli.build_parser().parse_args(["--rope-scaling", "linear", "--rope-factor", "2"])
-    assert cli.run_fingerprint(short_ckpt, a) != cli.run_fingerprint(short_ckpt, b)
+    a = generate_cli.build_parser().parse_args(["--rope-scaling", "yarn", "--rope-factor", "2"])
+    b = generate_cli.build_parser().parse_args(["--rope-scaling", "linear", "--rope-factor", "2"])
+    assert flags.run_fingerprint(short_ckpt, a) != flags.run_fingerprint(short_ckpt, b)

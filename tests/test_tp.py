@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import tp_worker as W
 from model import ModelArgs, Transformer
 from offload import OffloadConfig
-from tp import (
+from runs.tp import (
     LLAMA_70B,
     Layout,
     Shard,

@@ -13,8 +13,7 @@ from argparse import Namespace
 
 import pytest
 
-import doctor
-import tune
+from measure import doctor, tune
 from model import ModelArgs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

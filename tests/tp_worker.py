@@ -19,13 +19,13 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 import generate as gen  # noqa: E402
-import launch  # noqa: E402
 from disk import ALIGN, round_up  # noqa: E402
 from kvcache import make_cache  # noqa: E402
-from launch import backend_threads  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
-from task import run_task  # noqa: E402
-from tp import (  # noqa: E402
+from runs import launch  # noqa: E402
+from runs.launch import backend_threads  # noqa: E402
+from runs.task import run_task  # noqa: E402
+from runs.tp import (  # noqa: E402
     agree_min,
     gather_stats,
     init_distributed,
@@ -74,8 +74,8 @@ def tp_case(case, layout, out, tensors):
     name = case["name"]
     r = layout.tp_rank
     res = {"loaded_bytes": model.loaded_bytes, "held_bytes": held_bytes(model),
-           "local_heads": model.layers[0].attention.n_local_heads,
-           "local_kv_heads": model.layers[0].attention.n_local_kv_heads,
+           "local_heads": model.layers[0].attention.wq.out_features // model.args.head_dim,
+           "local_kv_heads": model.layers[0].attention.wk.out_features // model.args.head_dim,
            "wk_rows": model.layers[0].attention.wk.weight.shape[0]}
     with torch.inference_mode():
         tensors[f"{name}.logits"] = model(tokens_for_logits(model_args.vocab_size))

@@ -32,11 +32,11 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from measure.random_model import build_random_checkpoint  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from quantize import weight_bytes  # noqa: E402
-from random_model import build_random_checkpoint  # noqa: E402
-from task import run_task  # noqa: E402
+from runs.task import run_task  # noqa: E402
 
 # name -> from_pretrained's quantize
 VARIANTS = {"bf16": None, "int8": "int8", "int8-blocks": "int8", "int4": "int4-g32",

@@ -39,11 +39,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from generate import decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
-from kvstore import KVStore  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from policy import SELECTIONS  # noqa: E402
-from task import PromptCache, run_task  # noqa: E402
+from runs.kvstore import KVStore  # noqa: E402
+from runs.task import PromptCache, run_task  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")
@@ -61,9 +61,11 @@ def parse_policies(text):
     out = []
     for item in text.split(","):
         name, _, budget = item.strip().partition(":")
-        if name not in SELECTIONS or (name in ("quest", "oracle")) != bool(budget):
-            raise SystemExit(f"longeval.py: error: --policies: {item!r} is not one of all, sink, "
-                             "quest:TOKENS, oracle:TOKENS")
+        takes_budget = name in SELECTIONS and SELECTIONS[name].takes_budget
+        if name not in SELECTIONS or takes_budget != bool(budget):
+            spelled = [f"{n}:TOKENS" if c.takes_budget else n for n, c in SELECTIONS.items()]
+            raise SystemExit(f"longeval.py: error: --policies: {item!r} is not one of "
+                             f"{', '.join(spelled)}")
         out.append((name, int(budget) if budget else None))
     return out
 
@@ -159,8 +161,10 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", default=DEMO, help="checkpoint directory (default: the demo model)")
     p.add_argument("--policies", default="all,sink,quest:1024,quest:2048,oracle:1024",
-                   help="comma list of all, sink, quest:TOKENS, oracle:TOKENS (all is added first "
-                   "if missing: it is the reference)")
+                   help="comma list of "
+                   + ", ".join(f"{n}:TOKENS" if c.takes_budget else n
+                               for n, c in SELECTIONS.items())
+                   + " (all is added first if missing: it is the reference)")
     p.add_argument("--lengths", default="2048,4096", help="passkey prompt lengths in tokens")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 to 1")
     p.add_argument("--trials", type=int, default=1, help="passkeys per length and depth")

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from generate import forward  # noqa: E402
 from kvcache import make_cache  # noqa: E402
+from measure.random_model import build_random_checkpoint, parse_model_spec  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
-from random_model import build_random_checkpoint, parse_model_spec  # noqa: E402
 
 DEMO_CKPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                          "tinyllama-pydoc")

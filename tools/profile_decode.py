@@ -26,13 +26,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cores import CoreWatch  # noqa: E402
 from generate import decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
+from measure.probe import GB, read_bandwidth  # noqa: E402
+from measure.random_model import PRESETS, build_random_checkpoint, parse_model_spec  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
-from probe import GB, read_bandwidth  # noqa: E402
-from random_model import PRESETS, build_random_checkpoint, parse_model_spec  # noqa: E402
+from runs.cores import CoreWatch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # a layer's parts, in the order a step runs them: (name, the modules whose forward it times)

@@ -46,7 +46,7 @@ from kvlayout import PlainLayout, levels  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from quantize import Int4Linear, quantize_weight_int4  # noqa: E402
-from task import run_task  # noqa: E402
+from runs.task import run_task  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")

@@ -27,7 +27,7 @@ def main():
     from generate import decode_one_token, prefill
     from kvcache import make_cache
     from offload import OffloadConfig
-    from tp import agree_min, init_distributed, load_sharded
+    from runs.tp import agree_min, init_distributed, load_sharded
     torch.set_num_threads(1)
     layout = init_distributed()
     g = torch.Generator().manual_seed(0)

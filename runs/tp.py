@@ -37,7 +37,6 @@ Limits: the ranks of a replica must issue the same collectives in the same order
 one task at a time (no --batch-size above 1), and an error on one rank leaves the others waiting in
 a collective until torchrun stops the job (a rerun resumes).
 """
-import functools
 import hashlib
 import importlib
 import os
@@ -388,16 +387,20 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
 
 
 def _wire(model, s, layout):
-    """Local sizes and the all-reduces: the only places the model sees tensor parallelism."""
+    """The all-reduces, attached from outside as forward hooks (as gpt-fast does): the model
+    itself knows nothing of tensor parallelism. Each rank's attention and MLP give a partial sum of
+    the output (its heads' and its hidden units' share of wo and w2); the hook sums them over the
+    ranks. The local head counts follow from the sliced projections' shapes."""
     if layout.tp == 1:
         return
-    reduce = functools.partial(all_reduce_sum, layout=layout)
+
+    def summed(module, inputs, output):
+        return all_reduce_sum(output, layout)
     for block in model.layers:
         attention = block.attention
         ffn = block.feed_forward
-        attention.n_local_heads = len(s.heads)
-        attention.n_local_kv_heads = len(s.kv_heads)
-        attention.all_reduce = ffn.all_reduce = reduce
+        attention.register_forward_hook(summed)
+        ffn.register_forward_hook(summed)
         for lin in (attention.wq, attention.wk, attention.wv, attention.wo, ffn.w1, ffn.w3, ffn.w2):
             # keep repr() honest about the local shapes
             lin.out_features, lin.in_features = lin.weight.shape

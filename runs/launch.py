@@ -20,7 +20,7 @@ import time
 import torch.distributed as dist
 
 from model import Transformer
-from tp import Layout, init_distributed, load_sharded, split_tasks
+from runs.tp import Layout, init_distributed, load_sharded, split_tasks
 
 
 class LaunchError(ValueError):

@@ -498,8 +498,9 @@ def print_to_stderr(line):
 # command line
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="List or clear a persistent KV store (see the top of "
-                                            "kvstore.py).")
+    p = argparse.ArgumentParser(prog="python -m runs.kvstore",
+                                description="List or clear a persistent KV store (see the top of "
+                                            "runs/kvstore.py).")
     p.add_argument("dir", metavar="DIR", help="the store's directory")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--list", action="store_true",
@@ -507,7 +508,7 @@ def main(argv=None):
     g.add_argument("--clear", action="store_true", help="remove every entry")
 
     def one_line_error(message):
-        print(f"kvstore.py: error: {message}", file=sys.stderr)
+        print(f"runs.kvstore: error: {message}", file=sys.stderr)
         sys.exit(2)
     p.error = one_line_error
     args = p.parse_args(argv)

@@ -22,15 +22,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-import launch
-from cores import one_thread_here
 from disk import DISK_FULL, DiskError
 from generate import SEED_LIMIT
 from pools import OffloadError
 from private import PrivateError, open_private
-from taskdir import TaskDir, TaskDirError, safe_task_name
+from runs import launch
+from runs.cores import one_thread_here
+from runs.taskdir import TaskDir, TaskDirError, safe_task_name
+from runs.tp import Layout
 from tokenizer import messages_problem
-from tp import Layout
 
 TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,),
                "temperature": (int, float), "seed": (int,)}

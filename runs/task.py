@@ -10,15 +10,21 @@ from contextlib import nullcontext
 
 import torch
 
-from cores import compute_threads
 from generate import Sampling, generate
 from kvcache import make_cache
-from kvstore import STALE_CLAIM_S, chunk_keys
-from monitor import host_memory, process_io
 from pools import on_cuda
 from quantize import weight_bytes
-from taskdir import TaskDir, chunks_problem, manifest_size_bound, run_fingerprint, tokens_problem
-from tp import Layout, agree_min, broadcast_token
+from runs.cores import compute_threads
+from runs.kvstore import STALE_CLAIM_S, chunk_keys
+from runs.monitor import host_memory, process_io
+from runs.taskdir import (
+    TaskDir,
+    chunks_problem,
+    manifest_size_bound,
+    run_fingerprint,
+    tokens_problem,
+)
+from runs.tp import Layout, agree_min, broadcast_token
 
 
 def resume_point(manifest, task, model_args, eos_ids=()):

@@ -1,0 +1,178 @@
+"""
+Attention over one chunk, and the exact merge of chunks: the arithmetic of the KV cache's schedule
+(kvcache.py decides which chunks a step reads and in what order; this file computes).
+
+A chunk's partial is its queries' attention over the chunk's keys, normalised within the chunk,
+with the log-sum-exp of the scores: (o, lse). Two partials of the same queries merge exactly,
+    o = o_1 * exp(lse_1 - lse) + o_2 * exp(lse_2 - lse),   lse = logaddexp(lse_1, lse_2),
+so attention over a sequence cut into chunks is the attention over the whole sequence: no position
+dropped, no approximation (FlashAttention's merge). Which kernel computes a partial depends on the
+device, dtype and torch version only, never on where a chunk lives: placement cannot change a bit.
+
+Shapes: B batch, G kv heads, R query heads per kv head, T queries of the step, D head dim, L keys
+of a chunk. A step's queries are laid out as rows (r, t): q [B, G, R*T, D], so grouped-query
+attention needs no copy of K or V.
+"""
+import torch
+
+# Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a
+# handful. On CPU the flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient
+# attention (fp32), checked once per (device, dtype) against the matmul path below, which stays the
+# fallback. Which one runs depends on the device, dtype and torch version only, never on where a
+# chunk lives, so the choice cannot break bit-identity.
+FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
+
+
+def fused_cuda(q, k, v):
+    """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T]) fp32; the kv
+    heads act as the kernel's heads and the (r, t) query rows as its sequence, so GQA needs no copy
+    of K or V."""
+    aten = torch.ops.aten
+    if q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=1.0)[:2]
+    else:
+        o, lse = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, False, scale=1.0)[:2]
+    # efficient attention pads lse's rows
+    return o.float(), lse[..., :q.shape[2]].float()
+
+
+def use_fused_cuda(q):
+    key = (q.device, q.dtype)
+    if key not in _FUSED_CUDA:
+        g = torch.Generator(q.device).manual_seed(0)
+        D = q.shape[-1]
+        a, b, c = (torch.randn(1, 2, n, D, device=q.device, generator=g).to(q.dtype)
+                   for n in (3, 64, 64))
+        try:
+            o, lse = fused_cuda(a, b, c)
+            o_ref, lse_ref = attend_chunk(a, b, c, fused=False)
+            agree = torch.allclose(o, o_ref, atol=2e-2) and torch.allclose(lse, lse_ref, atol=2e-2)
+            _FUSED_CUDA[key] = bool(agree)
+        except (RuntimeError, TypeError, AttributeError):
+            # an old torch, or a head dim the kernels refuse
+            _FUSED_CUDA[key] = False
+    return _FUSED_CUDA[key]
+
+
+def attend_chunk(q, k, v, visible=None, fused=True):
+    """Attention of queries over the L positions of one chunk, normalised within the chunk.
+
+    q [B, G, R*T, D], already scaled by 1/sqrt(D); k, v [B, G, L, D]; visible [R*T, L] bool masks
+    future keys. Returns (o [B, G, R*T, D], lse [B, G, R*T]), both fp32: the chunk's output and
+    log-sum-exp of its scores.
+    """
+    if visible is None and fused:  # the common case first: a chunk visit is the hot loop
+        if q.is_cpu and FLASH_CPU is not None:
+            o, lse = FLASH_CPU(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
+            return (o if o.dtype == torch.float32 else o.float()), lse
+        if q.is_cuda and use_fused_cuda(q):
+            return fused_cuda(q, k, v)
+    B, G, RT, D = q.shape
+    L = k.shape[2]
+    # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that
+    # stalls under CPU load
+    s = torch.bmm(q.reshape(B * G, RT, D), k.reshape(B * G, L, D).transpose(1, 2))  # [B*G, R*T, L]
+    s = s.view(B, G, RT, L).float()
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)    # [B, G, R*T, 1] row max
+    if visible is not None:
+        # a row with no visible key (the window's edge chunk) must give o = 0, lse = -inf, not NaN
+        m = m.masked_fill(m == float("-inf"), 0.0)
+    p = torch.exp(s - m)                # [B, G, R*T, L]
+    l = p.sum(dim=-1, keepdim=True)     # [B, G, R*T, 1] row sum of exponentials
+    o = torch.bmm(p.to(v.dtype).view(B * G, RT, L), v.reshape(B * G, L, D))  # [B*G, R*T, D]
+    o = o.view(B, G, RT, D).float()
+    if visible is not None:
+        # l >= 1 where a key is visible (its max term is exp(0)): this changes empty rows only
+        return o / l.clamp(min=1.0), (m + torch.log(l)).squeeze(-1)
+    return o / l, (m + torch.log(l)).squeeze(-1)  # lse [B, G, R*T]
+
+
+def attend_open_chunk(q, k, v, off, R, window=None):
+    """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal), and
+    with a sliding window of W only the W latest. q [B, G, R*T, D] (rows are (r, t) pairs); k, v
+    [B, G, off+T, D]."""
+    B, G, RT, D = q.shape
+    T = RT // R
+    slides = window is not None and off + T > window  # some key here is outside some query's window
+    if T == 1 and not slides:                          # one query: every key is visible
+        return attend_chunk(q, k, v)
+    if off == 0 and not slides and FLASH_CPU is not None and q.device.type == "cpu":
+        # the kernel's causal mask; one kv head per query head
+        kh = k[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]
+        vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]
+        # [B, H, T, D], [B, H, T]
+        o, lse = FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)
+        return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT)
+    t = torch.arange(RT, device=q.device) % T          # query row (r, t) sits at offset off + t
+    visible = visible_keys(off + t, torch.arange(off + T, device=q.device), window)
+    return attend_chunk(q, k, v, visible)
+
+
+def visible_keys(q_pos, k_pos, window=None):
+    """[len(q_pos), len(k_pos)] bool: key k is visible from query q iff k <= q, and q - k < W with a
+    window."""
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= q_pos[:, None] - k_pos[None, :] < window
+    return visible
+
+
+def first_visible_chunk(window, first_query, chunk_size):
+    """The first chunk that the query at position first_query, the earliest of a step, can see
+    through a window of W positions (0 with full attention, window None). Later queries of the step
+    see no further back, so every chunk before it is skipped; a function of positions only, so the
+    schedule stays placement-independent."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // chunk_size
+
+
+def merge(state, o, lse):
+    """Combine two normalised partial attentions exactly: weights exp(lse_i - lse_total)."""
+    if state is None:
+        return o, lse
+    o0, lse0 = state
+    total = torch.logaddexp(lse0, lse)                             # [B, G, R*T]
+    w0 = torch.exp(lse0 - total).unsqueeze(-1)                     # [B, G, R*T, 1]
+    w = torch.exp(lse - total).unsqueeze(-1)
+    return o0.mul_(w0).add_(o.mul_(w)), total  # in place: o0, o are ours
+
+
+def merge_group(parts):
+    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T]), ...] of one query block merged at
+    once, exactly. The weights come from one softmax over the group's log-sum-exps; the weighted sum
+    is one stacked multiply and sum for a few query rows (a decode step: few kernels is what
+    counts), and n in-place multiply-adds for many rows (a prefill chunk: no stacked copy). Never a
+    matmul with n as its inner dimension: thousands of tiny GEMMs, ~10x slower. The branch depends
+    on shapes only, so placement still cannot change a bit."""
+    if len(parts) == 1:
+        return parts[0]
+    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
+    total = torch.logsumexp(lse, dim=-1)                           # [B, G, R*T]
+    w = torch.exp(lse - total.unsqueeze(-1))                       # [B, G, R*T, n]
+    return weighted_sum(parts, w), total
+
+
+def merge_last(parts):
+    """The output of a query block whose every partial is here (no earlier group to merge with:
+    every decode step): its log-sum-exp is never needed, so the weights are one softmax."""
+    if len(parts) == 1:
+        return parts[0][0]
+    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
+    return weighted_sum(parts, torch.softmax(lse, dim=-1))
+
+
+def weighted_sum(parts, w):
+    """sum over i of o_i * w[..., i]: a stacked multiply and sum for a few query rows, in-place
+    multiply-adds for many (the partials are ours)."""
+    if w.shape[2] <= 64:
+        o = torch.stack([o for o, _ in parts])                     # [n, B, G, R*T, D]
+        return (o * w.movedim(-1, 0).unsqueeze(-1)).sum(0)         # [B, G, R*T, D]
+    o = parts[0][0].mul_(w[..., :1])
+    for i in range(1, len(parts)):
+        o.add_(parts[i][0].mul_(w[..., i:i + 1]))
+    return o

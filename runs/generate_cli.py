@@ -1,0 +1,423 @@
+"""
+`python generate.py`'s command line: its flags (the shared ones from flags.py, then its own), the
+checks made before any weight is loaded, and main(): one prompt, or a --prompts batch through
+batch.py.
+
+    python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 \
+        --chunk-size 512 --window 4 --offload disk
+
+Without --ckpt it runs a short demo on the small model shipped in assets/ (disk tier, a window
+smaller than the context). A bad flag is one line on stderr and exit code 2.
+"""
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+
+from checkpoint import CheckpointError
+from generate import SEED_LIMIT, Sampling
+from offload import COMPRESSIONS, MODES, OffloadConfig
+from pools import OffloadError
+from quantize import int4_fallbacks
+from rope import context_refusal, rope_override_note
+from runs import launch
+from runs.batch import run_batch
+from runs.batcher import Batcher
+from runs.cores import CoreWatch
+from runs.flags import (
+    DEFAULT_BATCH_SIZE,
+    DEMO_CKPT,
+    DTYPES,
+    UsageError,
+    add_common_flags,
+    check_common,
+    check_shapes,
+    one_line_errors,
+    open_kv_store,
+    quantize_mode,
+    read_model_args,
+    remove_created_offload_dir,
+    rope_override,
+    run_fingerprint,
+    select_fields,
+    set_threads,
+)
+from runs.monitor import Monitor, progress_line
+from runs.progress import Progress
+from runs.task import run_task
+from runs.taskdir import TaskDirError
+from runs.tp import gather_stats
+from tokenizer import load_tokenizer
+
+DEMO_PROMPT = ("A module is a file containing Python definitions and statements. The file name is "
+               "the module name with the suffix .py appended. Within a module, the module's name "
+               "is available as the value of the global variable __name__.")
+
+DEMO_DEFAULTS = {"chunk_size": 16, "window": 1, "offload": "disk", "max_new_tokens": 64,
+                 "threads": 1}
+CKPT_DEFAULTS = {"chunk_size": 512, "window": 4, "offload": "none", "max_new_tokens": 128,
+                 "threads": None}
+USAGE = "%(prog)s [--ckpt DIR] [--prompt TEXT | --prompt-file FILE | --prompts JSONL] [flags below]"
+DESCRIPTION = """\
+Generate text from a Hugging Face checkpoint with its KV cache offloaded (--offload cpu or disk);
+the output is bit-identical to --offload none. Without --ckpt: a demo on the model in assets/."""
+EXAMPLE = """example:
+  python generate.py --ckpt DIR --prompt-file doc.txt --max-new-tokens 256 \\
+      --chunk-size 512 --window 4 --offload disk
+the reading order, the docs and what each number means: README.md"""
+# generate.py --help lists its flags under these headings, in this order (a name no flag has yet
+# is skipped: the selection flags --select, --select-budget, --select-dense have their place)
+HELP_GROUPS = {
+    "model and text": ("ckpt", "prompt", "prompt_file", "chat", "system", "dtype", "quantize",
+                       "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
+    "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
+                   "device", "threads"),
+    "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
+                "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
+                "select_budget", "select_dense"),
+    "batch (with --prompts)": ("prompts", "output", "batch_size", "keep_cache",
+                               "fallback_cpu_budget", "fallback_context"),
+    "parallel (under torchrun)": ("tp",),
+    "output": ("echo", "json", "trace"),
+}
+
+# -----------------------------------------------------------------------------
+# generate.py's command line
+
+def group_help(p, groups):
+    """List p's flags under argument groups in --help, each group's in the order given (parsing is
+    unchanged; a flag no group names stays under "options")."""
+    by_dest = {a.dest: a for a in p._actions}
+    listed = {dest for dests in groups.values() for dest in dests}
+    for group in p._action_groups:
+        group._group_actions[:] = [a for a in group._group_actions if a.dest not in listed]
+    for title, dests in groups.items():
+        p.add_argument_group(title)._group_actions.extend(by_dest[d] for d in dests
+                                                          if d in by_dest)
+    return p
+
+
+def both_defaults(dest):
+    """'(default X; Y in the demo)' for a flag whose default differs in the demo."""
+    return f"(default {CKPT_DEFAULTS[dest]}; {DEMO_DEFAULTS[dest]} in the demo)"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="generate.py", usage=USAGE, description=DESCRIPTION,
+                                epilog=EXAMPLE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_flags(p, None, None)
+    for action in p._actions:  # the demo and a real checkpoint differ in these defaults: say both
+        if action.dest == "chunk_size":
+            action.help = ("positions per KV chunk, the unit of transfer, cut to a task's length "
+                           "where longer " + both_defaults("chunk_size"))
+        elif action.dest == "window":
+            action.help = "sealed chunks per layer kept on the device " + both_defaults("window")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", help="prompt text (default: a built-in English paragraph)")
+    g.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    g.add_argument("--prompts",
+                   help="batch: a JSONL file of {\"id\", \"prompt\" (or chat \"messages\")[, "
+                   "\"max_new_tokens\", \"temperature\", \"seed\"]}")
+    p.add_argument("--chat", action="store_true",
+                   help="render the prompt with the checkpoint's chat template (instruct models), "
+                   "as transformers' apply_chat_template(..., add_generation_prompt=True)")
+    p.add_argument("--system",
+                   help="with --chat: a system message (default: none, or the template's own)")
+    n = p.add_mutually_exclusive_group()
+    n.add_argument("--max-new-tokens", type=int,
+                   help=f"tokens to generate {both_defaults('max_new_tokens')}; cut, with a "
+                   "warning, where the model's context ends")
+    n.add_argument("--max-length", type=int,
+                   help="cap on prompt plus generated tokens (default: the model's maximum)")
+    p.add_argument("--offload", choices=MODES,
+                   help="where sealed chunks beyond the window go " + both_defaults("offload"))
+    p.add_argument("--compress", choices=COMPRESSIONS, default="none",
+                   help="compress disk chunks (lossless)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed; each step is reproducible on its own")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt instead of text")
+    p.add_argument("--echo", action="store_true",
+                   help="print the prompt (as given, not a chat template's rendering) before the "
+                   "generated text (default: the generated text only)")
+    b = p.add_argument_group("batch (with --prompts)")
+    b.add_argument("--output",
+                   help="RESULTS.jsonl: one line per finished task; ids already there are skipped")
+    b.add_argument("--batch-size", "--concurrency", dest="batch_size", type=int, metavar="N",
+                   help=f"tasks in flight at once; their decode steps run as one forward pass, "
+                   f"each task's output unchanged (default {DEFAULT_BATCH_SIZE}; 1: one task at a "
+                   "time). Each task in flight holds its own cache: N tasks hold N times one "
+                   "task's device window, and share --cpu-budget. --concurrency is the same "
+                   "flag, kept from before batching")
+    b.add_argument("--keep-cache", action="store_true",
+                   help="keep a task's directory after it succeeds")
+    b.add_argument("--fallback-cpu-budget", type=float,
+                   help="if the disk tier fails (full, read-only, ...), rerun the task on a host "
+                   "tier of this many GiB (output is identical); normal placement is unchanged")
+    b.add_argument("--fallback-context", type=int,
+                   help="if the disk tier fails, continue on the last N tokens")
+    b.add_argument("--trace",
+                   help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
+                   "alerts; appended to, each run starting with a {\"run_start\"} event")
+    return one_line_errors(group_help(p, HELP_GROUPS))
+
+
+def resolve(args):
+    """Fill demo or plain defaults, check every flag, and return (offload config, prompt text).
+    No heavy work."""
+    defaults = DEMO_DEFAULTS if args.ckpt is None else CKPT_DEFAULTS
+    args.ckpt = args.ckpt or DEMO_CKPT
+    for dest in ("chunk_size", "window", "offload", "threads"):
+        if getattr(args, dest) is None:
+            setattr(args, dest, defaults[dest])
+    if args.max_new_tokens is None and args.max_length is None:
+        args.max_new_tokens = defaults["max_new_tokens"]
+    checks = [
+        (args.max_new_tokens is None or args.max_new_tokens > 0,
+         f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.max_length is None or args.max_length > 0,
+         f"--max-length must be >= 1, got {args.max_length}"),
+        (args.compress == "none" or args.offload == "disk",
+         "--compress zstd applies to the disk tier; add --offload disk"),
+        (math.isfinite(args.temperature) and args.temperature >= 0 and args.top_k >= 0
+         and 0 < args.top_p <= 1,
+         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (abs(args.seed) < SEED_LIMIT,
+         f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
+        (os.path.isdir(args.ckpt),
+         f"--ckpt {args.ckpt}: no such directory"),
+        (not args.prompts or args.output,
+         "--prompts needs --output RESULTS.jsonl"),
+        (not args.output or args.prompts,
+         "--output is for batch mode; add --prompts TASKS.jsonl"),
+        (args.batch_size is None or args.batch_size >= 1,
+         f"--batch-size must be >= 1, got {args.batch_size}"),
+        (args.batch_size is None or args.prompts,
+         "--batch-size goes with --prompts TASKS.jsonl (a single --prompt is one task)"),
+        (args.fallback_context is None or args.fallback_context > 0,
+         "--fallback-context must be >= 1"),
+        (args.fallback_cpu_budget is None
+         or (math.isfinite(args.fallback_cpu_budget) and args.fallback_cpu_budget > 0),
+         "--fallback-cpu-budget must be a number > 0 GiB"),
+        (args.system is None or args.chat,
+         "--system goes with --chat; add --chat"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise UsageError(msg)
+    if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
+    else:
+        text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    check_common(args, needs_disk=args.offload == "disk")
+    cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
+                        offload_dir=args.offload_dir, compress=args.compress,
+                        keep_files=args.keep_cache, staging_slots=args.staging_slots,
+                        **select_fields(args))
+    return cfg, text
+
+
+def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
+    """How many tokens to generate, checked against the model's maximum context; a cut is reported
+    via warn."""
+    limit = model_args.max_context
+    if n_prompt == 0:
+        raise UsageError("the prompt is empty; give --prompt or --prompt-file with some text")
+    cap = args.max_length if args.max_length is not None else limit
+    if cap > limit:
+        raise UsageError(f"--max-length {cap} is past the model's maximum context of "
+                         f"{limit} positions")
+    # past the trained context: say how to go on, on purpose
+    if n_prompt >= limit and args.max_length is None:
+        raise UsageError(context_refusal(n_prompt + 1, model_args))
+    if n_prompt >= cap:
+        raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length "
+                         f"{cap}; shorten it")
+    asked = max_new_tokens or args.max_new_tokens
+    if asked and asked > cap - n_prompt and warn:
+        where = "--max-length" if args.max_length else "model's context"
+        warn(f"warning: --max-new-tokens {asked} cut to {cap - n_prompt}: the prompt's {n_prompt} "
+             f"tokens leave no more room in the {where} of {cap} positions")
+    return min(asked or cap - n_prompt, cap - n_prompt)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return generate_main(args)
+    finally:
+        remove_created_offload_dir(args)
+
+
+def generate_main(args):
+    """One prompt or a --prompts batch, as `python generate.py` runs it: the exit code."""
+    # a file-size limit then fails a write (EFBIG), not the process
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    layout = None
+    watch = CoreWatch()  # how busy other processes keep the cores, until the model is loaded
+    try:
+        launch.check(args.tp)  # a --tp the torchrun world refuses: before any file is made
+        cfg, text = resolve(args)
+        layout = launch.start(args.tp, args.device)  # one rank, or this rank of a torchrun world
+        args.device = str(layout.device)
+        # a replica's leader prints, traces and writes results
+        speak = layout.is_leader
+
+        def log(msg):
+            if speak:
+                print(msg, file=sys.stderr, flush=True)
+
+        model_args = read_model_args(args.ckpt, args)
+        check_shapes(args, model_args)
+        tokenizer = load_tokenizer(args.ckpt)
+        if tokenizer is None:
+            raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so "
+                             "text cannot be encoded")
+        if args.chat:
+            # a checkpoint without one is refused before any weight is loaded
+            tokenizer.chat_template()
+        if not args.prompts:  # check the prompt before loading any weight
+            prompt_ids = tokenizer.prompt_ids({"prompt": text}, args.chat, args.system)
+            plan_lengths(args, len(prompt_ids), model_args)
+        kv_store = open_kv_store(args, log)
+        monitor = Monitor(args.trace if speak else None, log=log)
+        model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
+                            quantize_mode(args))
+        # a batch's tasks in flight share the model's forward passes (batcher.py); the ranks of a
+        # tensor-parallel replica step together, one task at a time
+        if args.batch_size is None:
+            args.batch_size = DEFAULT_BATCH_SIZE if args.prompts and layout.tp == 1 else 1
+        set_threads(args, watch, log)  # other processes' load measured while the model loaded
+        batcher = Batcher(model) if args.batch_size > 1 else None
+        if args.rope_scaling and layout.rank == 0:
+            log(rope_override_note(model.args, read_model_args(args.ckpt)))
+        fallbacks = int4_fallbacks(model)  # int4 layers no kernel takes: said once
+        if fallbacks:
+            log(fallbacks)
+        # what a resumed manifest or a stored chunk must match: the weights' bytes and every setting
+        # that changes the KV they make (only the disk tier and the KV store reuse KV, so only they
+        # pay for hashing the weights)
+        fingerprint = None
+        if cfg.mode == "disk" or args.kv_store:
+            fingerprint = run_fingerprint(args.ckpt, args)
+        run_config = {
+            "ckpt": args.ckpt, "dtype": args.dtype, "quantize": quantize_mode(args) or "none",
+            "kv_dtype": args.kv_dtype, "chunk_size": args.chunk_size,
+            "offload": cfg.mode, "window": cfg.window, "compress": cfg.compress,
+            "max_context": model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
+            "rope_override": bool(args.rope_scaling),
+            "tp": layout.tp, "replicas": layout.n_replicas,
+            "select": cfg.select, "select_budget": cfg.select_budget,
+            "select_dense": cfg.select_dense,
+        }
+    except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
+        launch.refuse(f"generate.py: error: {e}", layout)
+        return 2
+
+    def run_one(task, cfg, context=None, on_token=None, progress=None):
+        ids = tokenizer.prompt_ids(task, args.chat, args.system)
+        ids = ids[-context:] if context else ids
+
+        def warn(message):
+            log(f"task {task['id']}: {message}" if args.prompts else message)
+
+        def on_step(phase, logits, cache):
+            step(task["id"], phase, cache, len(ids), progress)
+
+        max_new = plan_lengths(args, len(ids), model_args, task.get("max_new_tokens"), warn=warn)
+        sampling = Sampling(task.get("temperature", args.temperature), args.top_k, args.top_p,
+                            task.get("seed", args.seed))
+        monitor.task_started(task["id"], len(ids))
+        new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg,
+                              sampling=sampling, eos_ids=tokenizer.eos_ids, task_id=task["id"],
+                              on_token=on_token, on_step=on_step, fingerprint=fingerprint,
+                              log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
+                              layout=layout, batcher=batcher)
+        # a collective: every rank of the replica reports its own bytes
+        ranks = gather_stats(stats, layout)
+        if cfg.mode != "none":
+            monitor.context_stayed_on_device(task["id"], stats, len(ids) + len(new),
+                                             args.chunk_size, cfg.window, model_args.n_layers)
+        result = {"id": task["id"], "prompt_ids": ids, "prompt_tokens": len(ids), "tokens": new,
+                  "text": tokenizer.decode(new)}
+        if context:
+            result["fallback"] = {"context": context}
+        result["config"] = run_config
+        if layout.world > 1:
+            result["group"] = layout.replica
+        result["stats"] = {**stats, "ranks": ranks} if layout.tp > 1 and ranks else stats
+        return result
+
+    def step(task_id, phase, cache, n_prompt, progress):
+        monitor.step(task_id, phase, cache)
+        if progress is not None and phase == "prefill":
+            progress.update(cache.length, n_prompt)
+
+    try:
+        if args.prompts:
+            try:
+                rc = run_batch(args, cfg, monitor, run_one, layout, batcher)
+            except ValueError as e:
+                log(f"generate.py: error: {e}")
+                return 2
+            finally:
+                monitor.close()
+                if batcher is not None:
+                    batcher.close()
+        elif layout.replica == 0:  # one prompt: the first replica runs it, the others idle
+            rc = single(args, text, cfg, monitor, run_one, tokenizer, speak)
+        else:
+            rc = 0
+    finally:
+        launch.finish(layout)
+    return rc
+
+
+def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
+    """One prompt: stream the text (or print one JSON object), then the statistics line on
+    stderr."""
+    printed = [""]
+
+    # decode everything so far and print what is new: tokens may merge into one character
+    def stream(out):
+        full = tokenizer.decode(out)
+        sys.stdout.write(full[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = full
+
+    show_text = speak and not args.json
+    if show_text and args.echo:
+        sys.stdout.write(text)
+    progress = Progress(enabled=show_text)  # prefill progress on stderr, when it is a terminal
+    try:
+        result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
+                         progress=progress)
+    except TaskDirError as e:  # its directory cannot be used: refused before any work
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 2
+    except (UsageError, OffloadError, OSError) as e:
+        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        progress.close()
+        monitor.close()
+    if speak:
+        print(json.dumps(result, ensure_ascii=False) if args.json else "")
+        stats_line = progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"]))
+        print(stats_line, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
