@@ -9,6 +9,8 @@ transformers on the same checkpoint, beside a prediction made from this machine'
         --modes none,disk
     python probe.py --offload-dir /mnt/nvme/kv    # what this machine can move, what offload costs
     python bench.py --kv-store /tmp/kvs --contexts 4096    # a second question: cold vs warm TTFT
+    python bench.py --ckpt DIR --modes none --contexts 6258 --vs-llamacpp build/bin/llama-bench \
+        --gguf DIR-f32.gguf    # beside llama.cpp, fresh processes (measure/llamacpp.py)
     bash scripts/gpu_check.sh OUT_DIR    # the CUDA tests, the probe and a KV-heavy bench on a GPU
 
 Runs are interleaved (for each repeat: for each context: for each mode, the order reversed on odd
@@ -21,7 +23,9 @@ token ids with a fixed seed, so EOS never ends a run early.
 
 JSON (--json OUT): {"machine", "config", "calibration", "results": [a row per context and mode: the
 medians above, their spreads, ratios to none and to transformers, predicted decode], "hf":
-[transformers' rows]}.
+[transformers' rows]}; with --vs-llamacpp {"machine", "config", "llamacpp" (its build, type and
+KV), "results": [a row per context and mode: ours and theirs, medians and spreads, ours over
+theirs]}.
 """
 import argparse
 import json
@@ -41,7 +45,7 @@ from disk import DiskError
 from generate import decode_batch, prefill
 from kvcache import make_cache
 from kvlayout import kv_bytes_per_token
-from measure import probe
+from measure import llamacpp, probe
 from measure.flags import add_measure_flags, check_measure, measured_model_args
 from measure.probe import GB, calibrate, decode_read_bytes, is_cuda, median_of, predict_decode
 from model import Transformer
@@ -518,6 +522,17 @@ def build_parser():
     p.add_argument("--visit-cost", action="store_true",
                    help="measure the fixed cost of one chunk visit (decode at the largest "
                    "--contexts with chunk 64 against 4096), and on CUDA the kernels per visit")
+    p.add_argument("--vs-llamacpp", metavar="PATH",
+                   help="instead: ours beside llama.cpp, PATH being a llama-bench binary you "
+                   "built, on --gguf, at the same --contexts, threads and decode steps; every run "
+                   "of both sides a fresh process, interleaved, medians of --repeats, ours at each "
+                   "--modes (measure/llamacpp.py says how)")
+    p.add_argument("--gguf", metavar="FILE",
+                   help="with --vs-llamacpp: this checkpoint converted by llama.cpp's own "
+                   "convert_hf_to_gguf.py to the weights that match ours: --outtype f32 for "
+                   "--dtype fp32, bf16 for bf16, f16 for fp16, q8_0 for --quantize int8, and for "
+                   "--quantize int4 the f32 file through `llama-quantize --pure F32.gguf "
+                   "OUT.gguf Q4_1`; checked against the checkpoint before any timed run")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS),
                    help="with --kv-store: the offload mode of the cold and warm runs "
                    "(default %(default)s)")
@@ -531,6 +546,10 @@ def check(args):
     if args.batch_sizes is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
         raise UsageError("--batch-sizes takes batch sizes >= 1, e.g. 1,4,8,16")
     contexts, modes = check_measure(args, "bench")
+    if args.vs_llamacpp:
+        llamacpp.check_flags(args)
+    elif args.gguf:
+        raise UsageError("--gguf goes with --vs-llamacpp")
     needed = {"--vs-hf": ("transformers", args.vs_hf),
               "--modes disk+zstd": ("zstandard", "disk+zstd" in modes)}
     for flag, (package, wanted) in needed.items():
@@ -555,6 +574,12 @@ def main(argv=None):
         if args.child_run:
             print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0
+        if args.vs_llamacpp:  # both sides in fresh processes: this one loads no model
+            args.threads = args.threads or torch.get_num_threads()  # the same count for both
+            config = probe.describe(args, model_args, contexts, modes)
+            report = llamacpp.compare(args, contexts, modes, run_fresh,
+                                      probe.environment(args.device), config)
+            return write_report(args, report)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))
@@ -627,7 +652,12 @@ def main(argv=None):
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
         remove_created_offload_dir(args)
-    if args.json:  # 0600, and a link at the name is replaced, never followed
+    return write_report(args, report)
+
+
+def write_report(args, report):
+    """--json OUT: the report, 0600 (a link at the name is replaced, never followed). Returns 0."""
+    if args.json:
         write_atomic(args.json, json.dumps(report, indent=1).encode())
     return 0
 
