@@ -444,8 +444,8 @@ def test_resumed_int4_run_is_the_uninterrupted_one(llama, tmp_path):
 # -----------------------------------------------------------------------------
 # the command line, the fingerprint, the tools
 
-def fingerprint(ckpt, *flags):
-    args = generate_cli.build_parser().parse_args(["--ckpt", ckpt, *flags])
+def fingerprint(ckpt, *argv):
+    args = generate_cli.build_parser().parse_args(["--ckpt", ckpt, *argv])
     flags.check_common(args, needs_disk=False)
     return flags.run_fingerprint(ckpt, args)
 
@@ -492,7 +492,9 @@ def test_generate_refuses_in_one_line(text_ckpt, capsys, flags, words):
 def test_the_other_scripts_refuse_in_one_line(text_ckpt, tmp_path, capsys, script):
     """The same refusal from every script that loads a model, before any weight is read."""
     import importlib
-    main = importlib.import_module(script).main
+    where = {"bench": "measure.bench", "probe": "measure.probe", "verify": "runs.proofs",
+             "tune": "measure.tune"}
+    main = importlib.import_module(where[script]).main
     flags = {"bench": ["--contexts", "64", "--modes", "none"], "probe": ["--contexts", "64"],
              "verify": [], "tune": ["--context", "64"]}[script]
     rc = main(["--ckpt", text_ckpt, "--quantize", "int4", "--group-size", "128", "--offload-dir",
