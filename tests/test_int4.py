@@ -37,7 +37,7 @@ from quantize import (
     unpack_int4,
     weight_bytes,
 )
-from runs import generate_cli
+from runs import flags, generate_cli
 from runs.task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
