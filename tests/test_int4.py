@@ -539,12 +539,12 @@ def test_generate_says_once_which_layers_no_kernel_takes(checkpoint, tmp_path, c
 
 def test_verify_passes_with_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
     from runs import proofs
-    for flags in (["--kv-dtype", "int4"], ["--quantize", "int4"]):
-        rc = proofs.main(["--ckpt", text_ckpt, *flags, "--max-new-tokens", "8", "--chunk-size",
+    for argv in (["--kv-dtype", "int4"], ["--quantize", "int4"]):
+        rc = proofs.main(["--ckpt", text_ckpt, *argv, "--max-new-tokens", "8", "--chunk-size",
                           "16", "--window", "1", "--max-prompt-tokens", "150", "--offload-dir",
                           str(tmp_path), "--json"])
         r = json.loads(capsys.readouterr().out)
-        assert rc == 0 and r["ok"], (flags, r)
+        assert rc == 0 and r["ok"], (argv, r)
         assert all(m["bit_identical"] for m in r["modes"].values())
         assert r["modes"]["cpu"]["chunks"]["host"] > 0
 
