@@ -13,7 +13,7 @@ import torch
 from checkpoint import read_config
 from kvlayout import KV_DTYPES, chunk_layout
 from model import ModelArgs
-from offload import OffloadConfig
+from offload import SELECT_FIELDS, OffloadConfig
 from policy import SELECTIONS, budgeted, summary
 from private import PrivateError, create_private, make_private_dir
 from quantize import (
@@ -200,8 +200,7 @@ def print_err(message):
 
 def select_fields(args):
     """OffloadConfig's selection fields, from --select, --select-budget and --select-dense."""
-    return {"select": args.select, "select_budget": args.select_budget,
-            "select_dense": args.select_dense}
+    return {field: getattr(args, field) for field in SELECT_FIELDS}
 
 
 def open_kv_store(args, log=None):

@@ -18,7 +18,7 @@ import sys
 
 from checkpoint import CheckpointError
 from generate import SEED_LIMIT, Sampling
-from offload import COMPRESSIONS, MODES, OffloadConfig
+from offload import COMPRESSIONS, MODES, SELECT_FIELDS, OffloadConfig
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
@@ -318,8 +318,7 @@ def generate_main(args):
             "max_context": model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
             "rope_override": bool(args.rope_scaling),
             "tp": layout.tp, "replicas": layout.n_replicas,
-            "select": cfg.select, "select_budget": cfg.select_budget,
-            "select_dense": cfg.select_dense,
+            **{field: getattr(cfg, field) for field in SELECT_FIELDS},
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         launch.refuse(f"generate.py: error: {e}", layout)

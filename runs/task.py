@@ -12,6 +12,7 @@ import torch
 
 from generate import Sampling, generate
 from kvcache import make_cache
+from offload import SELECT_FIELDS
 from pools import on_cuda
 from quantize import weight_bytes
 from runs.cores import compute_threads
@@ -106,7 +107,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     # also what a manifest written before --select existed says)
     task["select"] = None
     if cfg.select != "all":
-        task["select"] = [cfg.select, cfg.select_budget, cfg.select_dense, cfg.window]
+        task["select"] = [getattr(cfg, field) for field in SELECT_FIELDS] + [cfg.window]
     manifest = None
     why = None  # a manifest that cannot be used: reported, and the task starts over
     if taskdir and fingerprint:

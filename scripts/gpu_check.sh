@@ -105,7 +105,7 @@ import torch
 
 from model import Transformer
 from offload import OffloadConfig
-from task import run_task
+from runs.task import run_task
 
 model = Transformer.from_pretrained(sys.argv[1], device="cuda", dtype=torch.bfloat16)
 g = torch.Generator().manual_seed(0)

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_affinity_limits_the_usable_cores():
     code = ("import os, sys; sys.path.insert(0, '.'); os.sched_setaffinity(0, {min("
-            "os.sched_getaffinity(0))}); import cores; print(cores.usable_cores())")
+            "os.sched_getaffinity(0))}); from runs import cores; print(cores.usable_cores())")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.strip() == "1", p.stderr
 

@@ -37,7 +37,7 @@ from quantize import (
     unpack_int4,
     weight_bytes,
 )
-from runs import generate_cli
+from runs import flags, generate_cli
 from runs.task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
@@ -444,8 +444,8 @@ def test_resumed_int4_run_is_the_uninterrupted_one(llama, tmp_path):
 # -----------------------------------------------------------------------------
 # the command line, the fingerprint, the tools
 
-def fingerprint(ckpt, *flags):
-    args = generate_cli.build_parser().parse_args(["--ckpt", ckpt, *flags])
+def fingerprint(ckpt, *argv):
+    args = generate_cli.build_parser().parse_args(["--ckpt", ckpt, *argv])
     flags.check_common(args, needs_disk=False)
     return flags.run_fingerprint(ckpt, args)
 
@@ -492,7 +492,9 @@ def test_generate_refuses_in_one_line(text_ckpt, capsys, flags, words):
 def test_the_other_scripts_refuse_in_one_line(text_ckpt, tmp_path, capsys, script):
     """The same refusal from every script that loads a model, before any weight is read."""
     import importlib
-    main = importlib.import_module(script).main
+    where = {"bench": "measure.bench", "probe": "measure.probe", "verify": "runs.proofs",
+             "tune": "measure.tune"}
+    main = importlib.import_module(where[script]).main
     flags = {"bench": ["--contexts", "64", "--modes", "none"], "probe": ["--contexts", "64"],
              "verify": [], "tune": ["--context", "64"]}[script]
     rc = main(["--ckpt", text_ckpt, "--quantize", "int4", "--group-size", "128", "--offload-dir",
@@ -537,12 +539,12 @@ def test_generate_says_once_which_layers_no_kernel_takes(checkpoint, tmp_path, c
 
 def test_verify_passes_with_int4_weights_and_kv(text_ckpt, tmp_path, capsys):
     from runs import proofs
-    for flags in (["--kv-dtype", "int4"], ["--quantize", "int4"]):
-        rc = proofs.main(["--ckpt", text_ckpt, *flags, "--max-new-tokens", "8", "--chunk-size",
+    for argv in (["--kv-dtype", "int4"], ["--quantize", "int4"]):
+        rc = proofs.main(["--ckpt", text_ckpt, *argv, "--max-new-tokens", "8", "--chunk-size",
                           "16", "--window", "1", "--max-prompt-tokens", "150", "--offload-dir",
                           str(tmp_path), "--json"])
         r = json.loads(capsys.readouterr().out)
-        assert rc == 0 and r["ok"], (flags, r)
+        assert rc == 0 and r["ok"], (argv, r)
         assert all(m["bit_identical"] for m in r["modes"].values())
         assert r["modes"]["cpu"]["chunks"]["host"] > 0
 

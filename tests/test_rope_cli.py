@@ -40,7 +40,7 @@ def test_long_prompt_refused_without_the_override(short_ckpt, capsys):
 def test_measuring_past_the_context_names_the_override(short_ckpt, tmp_path, capsys, script):
     """bench.py, probe.py and tune.py refuse a context past the model's as generate.py does: one
     sentence that names --rope-scaling."""
-    module = importlib.import_module(script)
+    module = importlib.import_module(f"measure.{script}")
     flag = "--context" if script == "tune" else "--contexts"
     argv = ["--ckpt", short_ckpt, flag, "200", "--offload-dir", str(tmp_path / "off")]
     assert module.main(argv) == 2

@@ -200,6 +200,12 @@ def test_core_files_stay_short():
                       f"is there a second idea to move out?")
 
 
+def test_readme_stays_short():
+    """The README is the reading order, the pitch, install, quick start, verify and how it works;
+    operational material goes to docs/."""
+    assert len(read("README.md").splitlines()) <= 250
+
+
 def test_nothing_points_outside_the_repository():
     # spelled apart, so that this file passes its own test
     outside = ("../" + "shared", "DESIGN" + ".md")
