@@ -177,6 +177,11 @@ def check_common(args, needs_disk):
             raise UsageError(msg)
     if needs_disk:
         args.created_offload_dir = check_writable_dir(args.offload_dir)
+        # the default directory holding an earlier run's tasks (a resume): it goes again, as if
+        # this run had made it, once it is left empty; one the user made, or named, stays
+        args.emptied_default_dir = (not args.created_offload_dir
+                                    and args.offload_dir == DEFAULT_OFFLOAD_DIR
+                                    and bool(os.listdir(args.offload_dir)))
 
 
 def set_threads(args, watch=None, log=None):
@@ -240,9 +245,10 @@ def remove_if_empty(path):
 
 
 def remove_created_offload_dir(args):
-    """On every exit of a script: the --offload-dir that check_common created for this run is
-    removed again if the run left it empty (a failed task's directory keeps it, for resume)."""
-    if getattr(args, "created_offload_dir", False):
+    """On every exit of a script: the --offload-dir that check_common created for this run, or the
+    default one an earlier run left its tasks in, is removed again if the run left it empty (a
+    failed task's directory keeps it, for resume)."""
+    if getattr(args, "created_offload_dir", False) or getattr(args, "emptied_default_dir", False):
         remove_if_empty(args.offload_dir)
 
 

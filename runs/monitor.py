@@ -278,7 +278,8 @@ class Monitor:
         lines = [f"tasks: {t['done']} done, {len(t['failed'])} failed, {t['resumed']} resumed",
                  f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",
-                 "bytes: " + ", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())]
+                 "bytes: " + (", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())
+                              or "none moved (no task ran)")]
         if t.get("batched_steps"):
             per_step = t["batched_rows"] / t["batched_steps"]
             lines.append(f"batched: {t['batched_steps']} decode steps shared by {per_step:.1f} "
