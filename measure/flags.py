@@ -12,6 +12,7 @@ from runs.flags import (
     MODE_SPECS,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     check_shapes,
     read_model_args,
@@ -67,8 +68,8 @@ def check_measure(args, verb):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where "
                              "to write the new model; give a new directory, or drop --random-model "
                              f"to {verb} the model already there")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
+    else:
+        check_ckpt_dir(args.ckpt or DEMO_CKPT)
     return contexts, modes
 
 

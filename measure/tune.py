@@ -50,6 +50,7 @@ from runs.flags import (
     DTYPES,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     quantize_mode,
@@ -552,8 +553,8 @@ def check(args):
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where "
                              "to write the new model; give a new directory")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+    else:
+        check_ckpt_dir(args.ckpt or DEMO_CKPT)
 
 
 def log(msg):

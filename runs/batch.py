@@ -305,7 +305,7 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
     monitor.totals["wall_s"] = time.perf_counter() - started
     if layout.n_replicas > 1:
         prefix = f"group {layout.replica}: "
-        log(prefix + monitor.summary().replace("\n", "\n" + prefix))
+        log(prefix + monitor.summary(failures=False).replace("\n", "\n" + prefix))
     totals, _ = launch.batch_totals(monitor.totals, layout)  # every replica's share meets on rank 0
     if layout.rank == 0:
         print(monitor.summary(totals), file=sys.stderr, flush=True)

@@ -236,6 +236,16 @@ def check_writable_dir(path):
     return created
 
 
+def check_ckpt_dir(path):
+    """--ckpt must name a checkpoint's directory; a file in one (its config.json) says which."""
+    if os.path.isdir(path):
+        return
+    if os.path.isfile(path):
+        raise UsageError(f"--ckpt {path}: is a file; give the checkpoint's directory, the one "
+                         f"holding config.json ({os.path.dirname(path) or '.'})")
+    raise UsageError(f"--ckpt {path}: no such directory")
+
+
 def remove_if_empty(path):
     """Remove the directory `path` if it is empty; leave it otherwise."""
     try:

@@ -36,6 +36,7 @@ from runs.flags import (
     DTYPES,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     check_shapes,
     one_line_errors,
@@ -196,8 +197,6 @@ def resolve(args):
          "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
         (abs(args.seed) < SEED_LIMIT,
          f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
-        (os.path.isdir(args.ckpt),
-         f"--ckpt {args.ckpt}: no such directory"),
         (not args.prompts or args.output,
          "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts,
@@ -217,6 +216,7 @@ def resolve(args):
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
+    check_ckpt_dir(args.ckpt)
     if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
             with open(args.prompt_file, encoding="utf-8") as f:

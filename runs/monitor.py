@@ -267,16 +267,19 @@ class Monitor:
             for k, v in stats["bytes"].items():
                 t["bytes"][k] = t["bytes"].get(k, 0) + v
 
-    def summary(self, totals=None):
-        """The closing lines of a batch: this process's totals,
-        or the `totals` given (a whole torchrun batch)."""
+    def summary(self, totals=None, failures=True):
+        """The closing lines of a batch: this process's totals, or the `totals` given (a whole
+        torchrun batch); failures: with a FAILED line for each (a replica's own summary leaves
+        them to the whole batch's, so that each is said once)."""
         t = totals or self.totals
         rate = ""
         if t.get("wall_s"):
-            rate = (f", {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's "
+            rate = (f" at {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's "
                     f"{t['wall_s']:.1f}s")
+        # the tasks in flight decode at once: their times add up to more than the batch's
         lines = [f"tasks: {t['done']} done, {len(t['failed'])} failed, {t['resumed']} resumed",
-                 f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
+                 f"decode: {t['new_tokens']} tokens{rate}; the tasks' decode times, added up: "
+                 f"{t['decode_s']:.1f}s",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",
                  "bytes: " + (", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())
                               or "none moved (no task ran)")]
@@ -284,7 +287,7 @@ class Monitor:
             per_step = t["batched_rows"] / t["batched_steps"]
             lines.append(f"batched: {t['batched_steps']} decode steps shared by {per_step:.1f} "
                          "tasks on average")
-        lines += [f"FAILED {task}: {err}" for task, err in t["failed"]]
+        lines += [f"FAILED {task}: {err}" for task, err in t["failed"] if failures]
         return "\n".join(lines)
 
     def close(self):

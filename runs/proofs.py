@@ -30,6 +30,7 @@ from runs.flags import (
     MODE_SPECS,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     open_kv_store,
@@ -147,8 +148,7 @@ def run(args):
             raise UsageError("--batch N needs N >= 2 tasks, and one process per model (no --tp "
                              "above 1)")
         check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
-        if not os.path.isdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+        check_ckpt_dir(args.ckpt)
         set_threads(args)  # cores.py: the cores this run may use
         model_args = read_model_args(args.ckpt, args)
         kv_store = open_kv_store(args)

@@ -728,7 +728,24 @@ def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
     assert phases == ["prefill"] * prefill_steps + ["decode"] * decode_steps
     assert sum(e["bytes"]["disk_write"] for e in events[1:]) == st["bytes"]["disk_write"]
     assert "tasks: 1 done, 0 failed, 0 resumed" in err, err
-    assert f"decode: {len(r['tokens']) - 1} tokens" in err, err
+    decode = next(line for line in err.splitlines() if line.startswith("decode: "))
+    assert re.fullmatch(rf"decode: {len(r['tokens']) - 1} tokens at [\d.]+ tok/s over the batch's "
+                        r"[\d.]+s; the tasks' decode times, added up: [\d.]+s", decode), decode
+    # the same command again: every task is skipped, and the summary says nothing moved
+    rc, err = run_main(argv, capsys)
+    assert rc == 0 and "1 of 1 tasks already in" in err, err
+    assert "bytes: none moved (no task ran)" in err.splitlines(), err
+
+
+def test_an_empty_prompts_file_says_so_in_one_line(text_ckpt, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n  \n")
+    output = tmp_path / "results.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK), capsys)
+    assert rc == 0
+    assert err.strip().splitlines() == [f"generate.py: --prompts {tasks} holds no task (every "
+                                        "line is blank); nothing to run"], err
+    assert not output.exists()
 
 
 # -----------------------------------------------------------------------------

@@ -296,3 +296,28 @@ def test_bad_checkpoint_and_files(tmp_path, text_ckpt):
     assert_one_line_error(p, "--compress")
     p = run_script("verify.py", "--ckpt", text_ckpt, "--modes", "cpu,tape", ok=False)
     assert_one_line_error(p, "--modes")
+
+
+def test_refused_before_loading_a_ckpt_file_and_a_host_budget_too_small(text_ckpt, monkeypatch,
+                                                                      capsys):
+    """--ckpt naming config.json says it is a file; a --cpu-budget that cannot hold what
+    --offload cpu offloads (plan_tiers knows it from the lengths) is exit 2 before any weight is
+    read, with the store's sentence and no blank line."""
+    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 4, "--offload", "cpu", "--chunk-size", 8,
+            "--window", 1, "--max-new-tokens", 2]
+    rc, out, err = main_in_process(argv + ["--cpu-budget", "1", "--json"], capsys)
+    assert rc == 0, err
+    offloaded = json.loads(out)["stats"]["chunks"]["host"]  # what the store placed, room for all
+
+    def no_load(*args, **kw):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(generate_cli.launch, "load", no_load)
+    rc, out, err = main_in_process(argv + ["--cpu-budget", "1e-6"], capsys)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith(f"generate.py: error: --cpu-budget 1e-06 GiB holds 0 of the {offloaded} "
+                          "chunks this task offloads"), err
+    config = os.path.join(text_ckpt, "config.json")
+    rc, out, err = main_in_process(["--ckpt", config, "--prompt", PROMPT], capsys)
+    assert rc == 2 and err.splitlines() == [
+        f"generate.py: error: --ckpt {config}: is a file; give the checkpoint's directory, the "
+        f"one holding config.json ({text_ckpt})"], err

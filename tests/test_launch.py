@@ -6,6 +6,7 @@ the most of each.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -91,8 +92,12 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
     one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     ref = {r["id"]: r["tokens"] for r in one}
 
+    # and a bad line, which every replica reads: it must be counted and printed once
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(tasks.read_text() + '{"id": "broken", "prompt": \n')
     out = tmp_path / "two.jsonl"
-    argv = flags + ["--output", out, "--offload-dir", tmp_path / "off2", "--tp", 1]
+    argv = [bad if a == tasks else a for a in flags]
+    argv += ["--output", out, "--offload-dir", tmp_path / "off2", "--tp", 1]
     p = torchrun("generate.py", *argv, wait=False)
     deadline = time.monotonic() + 240
     # kill a rank once some results are in
@@ -107,7 +112,12 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
     assert 2 <= len(first) < len(TASKS), "the kill must land mid-batch"
 
     again = torchrun("generate.py", *argv)
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 1, again.stderr  # the bad line failed; every task succeeded
+    said = again.stderr.splitlines()
+    assert sum(f"{bad} line 7: not valid JSON" in line for line in said) == 2, again.stderr
+    assert said.count(f"FAILED input: {bad} line 7: not valid JSON (Expecting value); "
+                      "skipped") == 1, again.stderr
+    assert re.search(r"^tasks: \d+ done, 1 failed", again.stderr, re.M), again.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in got) == sorted(ref), "every id exactly once"
     assert {r["id"]: r["tokens"] for r in got} == ref
