@@ -423,6 +423,9 @@ def generate_main(args):
                               layout=layout, batcher=batcher)
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
+        positions = len(ids) + len(new)
+        monitor.selection_read_everything(task["id"], stats, cfg, positions,
+                                          min(args.chunk_size, positions))
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, len(ids) + len(new),
                                              args.chunk_size, cfg.window, model_args.n_layers)

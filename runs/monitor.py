@@ -247,6 +247,22 @@ class Monitor:
                      f"(--window {window}), so nothing left the device; lower --window or "
                      "--chunk-size to offload")
 
+    def selection_read_everything(self, task, stats, cfg, positions, chunk_size):
+        """A --select configured, yet every decode step read every sealed chunk (its budget, with
+        the first chunk and the window, covers the context): the output is exact attention's. Said
+        once, with the fix, as context_stayed_on_device says it of offload."""
+        if cfg.select == "all" or not stats["decoded_tokens"] or stats["bytes"]["select_skipped"]:
+            return
+        sealed = (positions - 1) // chunk_size  # per layer, at the last decode step
+        budget = (f"the budget of {cfg.select_budget} tokens, the first chunk and the window "
+                  f"(--window {cfg.window})" if cfg.select_budget else
+                  f"the first chunk and the window (--window {cfg.window})")
+        fix = "--select-budget" if cfg.select_budget else "--window"
+        self.log(f"task {task}: --select {cfg.select} read every sealed chunk at every decode "
+                 f"step: {budget} cover all {sealed} sealed chunks of {chunk_size} positions per "
+                 f"layer, so the output is --select all's; lower {fix} or --chunk-size for it to "
+                 "select")
+
     def task_finished(self, task, stats=None, error=None):
         with self.lock:
             t = self.totals

@@ -321,3 +321,23 @@ def test_refused_before_loading_a_ckpt_file_and_a_host_budget_too_small(text_ckp
     assert rc == 2 and err.splitlines() == [
         f"generate.py: error: --ckpt {config}: is a file; give the checkpoint's directory, the "
         f"one holding config.json ({text_ckpt})"], err
+
+
+def test_a_selection_that_reads_everything_says_so_once(text_ckpt, tmp_path, capsys):
+    """--select quest whose budget, with the first chunk and the window, covers every sealed chunk
+    changes nothing: one line says so, and the output is indeed --select all's; a budget that
+    leaves chunks out says nothing."""
+    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 6, "--chunk-size", 16, "--window", 1,
+            "--max-new-tokens", 4, "--json"]
+    rc, out, err = main_in_process(argv, capsys)
+    assert rc == 0 and "--select" not in err, err
+    exact = json.loads(out)["tokens"]
+    rc, out, err = main_in_process(argv + ["--select", "quest", "--select-budget", 4096], capsys)
+    assert rc == 0, err
+    said = [line for line in err.splitlines() if "--select quest" in line]
+    assert len(said) == 1 and "read every sealed chunk" in said[0], err
+    assert "so the output is --select all's; lower --select-budget" in said[0], said
+    assert json.loads(out)["tokens"] == exact
+    rc, out, err = main_in_process(argv + ["--select", "quest", "--select-budget", 16], capsys)
+    assert rc == 0 and "--select quest" not in err, err
+    assert json.loads(out)["stats"]["bytes"]["select_skipped"] > 0
