@@ -34,6 +34,7 @@ from runs.flags import (
     check_common,
     one_line_errors,
     open_kv_store,
+    print_err,
     quantize_mode,
     read_model_args,
     remove_created_offload_dir,
@@ -114,7 +115,8 @@ def build_parser():
     p.add_argument("--modes", default="cpu,disk,disk+zstd",
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
-                   help="truncate the prompt to this many tokens")
+                   help="verify at most the first this many tokens of the prompt (default "
+                   "%(default)s; a longer --prompt-file is cut, and said so)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="also run N prompts of different lengths as one batch of tasks in flight "
                    "(their decode steps shared) in every mode: each task must be bit-identical to "
@@ -164,7 +166,14 @@ def run(args):
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
         room = model_args.max_context - args.max_new_tokens
-        ids = tokenizer.encode(text)[:min(args.max_prompt_tokens, room)]
+        whole = tokenizer.encode(text)
+        ids = whole[:min(args.max_prompt_tokens, room)]
+        if args.prompt_file and len(ids) < len(whole) and layout.rank == 0:
+            why = (f"--max-prompt-tokens {args.max_prompt_tokens}; raise it to verify more"
+                   if args.max_prompt_tokens <= room else
+                   f"the model's context of {model_args.max_context} less --max-new-tokens")
+            print_err(f"verify.py: --prompt-file {args.prompt_file} holds {len(whole)} tokens; "
+                      f"verifying its first {len(ids)} ({why})")
         if len(ids) < 1:
             raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
                              "model's context")

@@ -122,8 +122,17 @@ def test_help_is_grouped_and_opens_with_what_it_does():
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT * 20)
+    whole = len(load_tokenizer(text_ckpt).encode(doc.read_text()))
+    assert whole > 200
     out = run_script("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 8, "--chunk-size", 16,
-                     "--window", 1, "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json")
+                     "--window", 1, "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json",
+                     "--prompt-file", doc)
+    # the cut is said, with the flag that makes it
+    assert f"verify.py: --prompt-file {doc} holds {whole} tokens; verifying its first 200 " \
+        "(--max-prompt-tokens 200; raise it to verify more)" in out.stderr.splitlines(), out.stderr
+    assert "(default 2048;" in " ".join(proofs.build_parser().format_help().split())
     r = json.loads(out.stdout)
     assert r["ok"] and r["unchunked"]["greedy_ids_equal"]
     assert r["unchunked"]["max_abs_logit_diff"] < 1e-4
