@@ -19,15 +19,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")
 TEXT = ("A module is a file containing Python definitions and statements. The file name is the "
         "module name with the suffix .py appended. ")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# os.environ when called: conftest points TMPDIR at the session's own directory
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def interrupt_mid_prefill(argv, cwd, trace, position):
     """Start generate.py, wait until its trace shows a prefill step past `position`, send SIGINT:
     (exit code, stdout, stderr)."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), *argv,
-                          "--trace", trace], cwd=cwd, env=ENV, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                          "--trace", trace], cwd=cwd, env={**os.environ, **ENV},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while True:
         assert p.poll() is None, p.communicate()

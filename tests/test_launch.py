@@ -18,17 +18,19 @@ from runs import generate_cli
 from test_cli import TEXT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# os.environ when called: conftest points TMPDIR at the session's own directory
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def torchrun(script, *args, n=2, wait=True, **kw):
     """script under torchrun with n processes: its CompletedProcess (wait=False: its Popen)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.join(ROOT, script), *map(str, args)]
+    env = {**os.environ, **ENV}
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           **kw)
 
 
