@@ -176,12 +176,17 @@ def check_common(args, needs_disk):
         if not ok:
             raise UsageError(msg)
     if needs_disk:
-        args.created_offload_dir = check_writable_dir(args.offload_dir)
-        # the default directory holding an earlier run's tasks (a resume): it goes again, as if
-        # this run had made it, once it is left empty; one the user made, or named, stays
-        args.emptied_default_dir = (not args.created_offload_dir
-                                    and args.offload_dir == DEFAULT_OFFLOAD_DIR
-                                    and bool(os.listdir(args.offload_dir)))
+        check_offload_dir(args)
+
+
+def check_offload_dir(args):
+    """--offload-dir: made if needed, private and writable (check_writable_dir), or a UsageError."""
+    args.created_offload_dir = check_writable_dir(args.offload_dir)
+    # the default directory holding an earlier run's tasks (a resume): it goes again, as if this
+    # run had made it, once it is left empty; one the user made, or named, stays
+    args.emptied_default_dir = (not args.created_offload_dir
+                                and args.offload_dir == DEFAULT_OFFLOAD_DIR
+                                and bool(os.listdir(args.offload_dir)))
 
 
 def set_threads(args, watch=None, log=None):

@@ -38,6 +38,7 @@ from runs.flags import (
     add_common_flags,
     check_ckpt_dir,
     check_common,
+    check_offload_dir,
     check_shapes,
     one_line_errors,
     open_kv_store,
@@ -225,7 +226,16 @@ def resolve(args):
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
-    check_common(args, needs_disk=args.offload == "disk")
+    check_common(args, needs_disk=False)
+    if args.offload == "disk":
+        try:
+            check_offload_dir(args)
+        except UsageError as e:
+            if not (args.fallback_cpu_budget or args.fallback_context):
+                raise
+            why = ("the fallbacks take over a disk tier that fails once a task is running, not "
+                   "one unusable from the start: for that, --offload cpu")
+            raise UsageError(f"{e} ({why})") from None
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots,

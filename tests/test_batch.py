@@ -793,3 +793,21 @@ def test_unusable_paths_give_one_line_and_exit_2(text_ckpt, tmp_path, capsys, pr
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err
     assert not output.exists()
+
+
+def test_an_unusable_offload_dir_is_refused_at_the_start_fallback_or_not(text_ckpt, tmp_path,
+                                                                        capsys):
+    """The fallbacks cover a disk tier that fails once a task runs (docs/batches.md); an
+    --offload-dir unusable from the start is refused before any work, and with a fallback given the
+    line says why it did not apply."""
+    (tmp_path / "file").write_text("not a directory")
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
+    output = tmp_path / "results.jsonl"
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "file" / "sub", *DISK,
+                      "--fallback-cpu-budget", 1)
+    rc, err = run_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and not output.exists(), err
+    said = ("(the fallbacks take over a disk tier that fails once a task is running, not one "
+            "unusable from the start: for that, --offload cpu)")
+    assert "--offload-dir" in lines[0] and said in lines[0], lines
