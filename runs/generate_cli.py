@@ -286,7 +286,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     args.at = None         # (phase, position, prompt tokens) of the lone task's last step
     args.started = set()   # ids of the tasks begun
-    previous = signal.signal(signal.SIGINT, stop_once)
+    # signal handlers belong to the main thread; called from another, Ctrl-C stays the caller's
+    here = threading.current_thread() is threading.main_thread()
+    previous = None
+    if here:
+        previous = signal.signal(signal.SIGINT, stop_once)
     try:
         return generate_main(args)
     except KeyboardInterrupt:
@@ -294,7 +298,8 @@ def main(argv=None):
         return 130
     finally:
         remove_created_offload_dir(args)
-        signal.signal(signal.SIGINT, previous)
+        if here:
+            signal.signal(signal.SIGINT, previous)
 
 
 def stop_once(signum, frame):

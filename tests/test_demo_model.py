@@ -96,7 +96,7 @@ def test_demo_command_runs_offloaded(tmp_path):
                         "--offload-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    from runs.flags import DEMO_PROMPT
+    from runs.generate_cli import DEMO_PROMPT
     # the generated text alone (--echo would print the prompt first)
     assert not p.stdout.startswith(DEMO_PROMPT[:20]) and len(p.stdout.split()) > 20, p.stdout
     stats = p.stderr.strip().splitlines()[-1]
