@@ -49,7 +49,8 @@ def check_measure(args, verb):
     """The checks behind add_measure_flags (--new-tokens aside: each script checks it with
     --repeats), before any heavy work. Returns (contexts, modes)."""
     args.contexts_given = args.contexts is not None
-    args.contexts = args.contexts or DEFAULT_CONTEXTS
+    if args.contexts is None:
+        args.contexts = DEFAULT_CONTEXTS
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     except ValueError:

@@ -543,7 +543,8 @@ def check(args):
         raise UsageError("--chunk-sizes must be comma-separated integers, got "
                          f"{args.chunk_sizes!r}") from None
     args.context_given = args.context is not None
-    args.context = args.context or DEFAULT_CONTEXT
+    if args.context is None:
+        args.context = DEFAULT_CONTEXT
     checks = [
         (args.context >= 1,
          f"--context must be >= 1, got {args.context}"),
