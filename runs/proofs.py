@@ -30,9 +30,11 @@ from runs.flags import (
     MODE_SPECS,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     open_kv_store,
+    print_err,
     quantize_mode,
     read_model_args,
     remove_created_offload_dir,
@@ -113,7 +115,8 @@ def build_parser():
     p.add_argument("--modes", default="cpu,disk,disk+zstd",
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
-                   help="truncate the prompt to this many tokens")
+                   help="verify at most the first this many tokens of the prompt (default "
+                   "%(default)s; a longer --prompt-file is cut, and said so)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="also run N prompts of different lengths as one batch of tasks in flight "
                    "(their decode steps shared) in every mode: each task must be bit-identical to "
@@ -147,8 +150,7 @@ def run(args):
             raise UsageError("--batch N needs N >= 2 tasks, and one process per model (no --tp "
                              "above 1)")
         check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
-        if not os.path.isdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+        check_ckpt_dir(args.ckpt)
         set_threads(args)  # cores.py: the cores this run may use
         model_args = read_model_args(args.ckpt, args)
         kv_store = open_kv_store(args)
@@ -164,7 +166,14 @@ def run(args):
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
         room = model_args.max_context - args.max_new_tokens
-        ids = tokenizer.encode(text)[:min(args.max_prompt_tokens, room)]
+        whole = tokenizer.encode(text)
+        ids = whole[:min(args.max_prompt_tokens, room)]
+        if args.prompt_file and len(ids) < len(whole) and layout.rank == 0:
+            why = (f"--max-prompt-tokens {args.max_prompt_tokens}; raise it to verify more"
+                   if args.max_prompt_tokens <= room else
+                   f"the model's context of {model_args.max_context} less --max-new-tokens")
+            print_err(f"verify.py: --prompt-file {args.prompt_file} holds {len(whole)} tokens; "
+                      f"verifying its first {len(ids)} ({why})")
         if len(ids) < 1:
             raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
                              "model's context")
