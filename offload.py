@@ -74,11 +74,6 @@ class OffloadConfig:
     select_dense: Optional[int] = None
 
 
-# the OffloadConfig fields that --select, --select-budget and --select-dense set: the flags, a
-# run's recorded config and a task's identity all read this one list
-SELECT_FIELDS = ("select", "select_budget", "select_dense")
-
-
 # -----------------------------------------------------------------------------
 # the store
 

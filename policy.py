@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+# the OffloadConfig fields that --select, --select-budget and --select-dense set: the flags, a
+# run's recorded config and a task's identity all read this one list
+SELECT_FIELDS = ("select", "select_budget", "select_dense")
 # every selection by its --select name, in the order the classes are defined: a class with a
 # `name` registers itself (Exact.__init_subclass__)
 SELECTIONS = {}

@@ -13,8 +13,8 @@ import torch
 from checkpoint import read_config
 from kvlayout import KV_DTYPES, chunk_layout
 from model import ModelArgs
-from offload import SELECT_FIELDS, OffloadConfig
-from policy import SELECTIONS, budgeted, summary
+from offload import OffloadConfig
+from policy import SELECT_FIELDS, SELECTIONS, budgeted, summary
 from private import PrivateError, create_private, make_private_dir
 from quantize import (
     INT4_DEFAULT_GROUP_SIZE,

@@ -21,8 +21,8 @@ from checkpoint import CheckpointError
 from disk import ALIGN, round_up
 from generate import SEED_LIMIT, Sampling
 from kvlayout import kv_chunk_bytes
-from offload import COMPRESSIONS, MODES, SELECT_FIELDS, OffloadConfig
-from policy import host_budget_refusal, plan_tiers
+from offload import COMPRESSIONS, MODES, OffloadConfig
+from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note

@@ -12,7 +12,7 @@ import torch
 
 from generate import Sampling, generate
 from kvcache import make_cache
-from offload import SELECT_FIELDS
+from policy import SELECT_FIELDS
 from pools import on_cuda
 from quantize import weight_bytes
 from runs.cores import compute_threads
