@@ -35,6 +35,7 @@ from runs.flags import (
     check_common,
     check_shapes,
     one_line_errors,
+    open_kv_store,
     quantize_mode,
     read_model_args,
     rope_override,
@@ -42,7 +43,7 @@ from runs.flags import (
     select_fields,
     set_threads,
 )
-from runs.monitor import open_trace
+from runs.monitor import fmt_bytes, open_trace
 from runs.progress import Progress
 from runs.session import (
     KV_DIR,
@@ -64,12 +65,12 @@ from runs.session import (
     state_problem,
     write_manifest,
 )
-from runs.task import cpu_threads
+from runs.task import PromptCache, cpu_threads
 from tokenizer import load_tokenizer
 
 HELP = ("commands: /save (save now), /reset (forget the conversation, keep the document), "
-        "/stats (tiers, bytes moved, time to first token), /quit (or Ctrl-D); Ctrl-C stops an "
-        "answer")
+        "/drop K (forget the K oldest turns, the rest recomputed), /stats (tiers, bytes moved, "
+        "time to first token), /quit (or Ctrl-D); Ctrl-C stops an answer")
 
 
 class Stop(Exception):
@@ -197,7 +198,26 @@ class Chat:
         self.open_crc = m["open"] if self.cache.length == (m["open"] or {}).get("length") else None
         return len(self.tokens) - self.cache.length
 
-    def catch_up(self, progress=None):
+    def prefill_document(self, kv_store=None, progress=None):
+        """A new session's first step: the system message and the document. With --kv-store the
+        stored prefix of its full chunks is adopted (the bytes its prefill makes, bit for bit) and
+        the chunks computed here are stored for the next session."""
+        if kv_store is None or not self.tokens:
+            self.catch_up(progress)
+            return
+        P = self.segments[0][1]
+        stored = PromptCache(kv_store, self.cache, self.tokens[:P], self.settings["fingerprint"],
+                             self.model)
+        try:
+            stored.adopt(self.cache)
+            self.catch_up(progress, on_step=lambda cache: stored.store_sealed(cache))
+            n = stored.finish()
+        finally:
+            stored.close()
+        self.log(f"kv store: {n['reused_tokens']} document tokens adopted, {n['stored_tokens']} "
+                 "stored")
+
+    def catch_up(self, progress=None, on_step=None):
         """Compute what the tokens hold past the cache (a document being prefilled, positions whose
         saved KV failed its check), with the first run's schedule; Ctrl-C stops it between steps
         (what is done is kept)."""
@@ -206,6 +226,8 @@ class Chat:
             return
 
         def step(phase, logits, cache):
+            if on_step:
+                on_step(cache)
             if progress:
                 progress.update(cache.length, total)
             if self.stop:
@@ -249,8 +271,9 @@ class Chat:
         room = self.max_length - base - len(seg)
         if room < 1:
             return (f"the conversation holds {base} of {self.max_length} positions and this "
-                    f"question needs {len(seg) + 1}; /reset starts over with the document, or "
-                    "start a new session (a longer --max-length, up to the model's context)")
+                    f"question needs {len(seg) + 1}; /drop K forgets the K oldest turns (the rest "
+                    "is recomputed), /reset starts over with the document, or start a new "
+                    "session with a longer --max-length (up to the model's context)")
         if restart:
             self.gen += 1
             self.crcs, self.open_crc = [], None
@@ -350,12 +373,50 @@ class Chat:
         self.last = {}
         self.save()
 
+    def drop(self, k):
+        """Forget the k oldest questions and their answers; the system message and the document
+        keep their KV, the turns kept are computed again at their new positions. Returns None, or
+        why not."""
+        system = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        if k < 1 or k > self.turns:
+            return f"/drop takes a number of turns from 1 to {self.turns}"
+        kept = self.messages[:system] + self.messages[system + 2 * k:]
+        P = self.segments[0][1] if self.head else 0
+        tokens = self.tokens[:P]
+        text = self.head
+        if len(kept) > system:
+            text = self.tok.render_chat(kept, add_generation_prompt=False)
+            if not text.startswith(self.head):
+                return "the chat template renders the document differently without those turns"
+            tokens = tokens + self.tok.encode_rendered(text[len(self.head):],
+                                                       continues=bool(tokens))
+        if len(tokens) >= self.max_length:
+            return "what is left still fills the context; /reset starts over with the document"
+        old = self.cache
+        self.cache = None
+        self.open_cache()
+        copy_prefix(old, self.cache, min(P, old.length))
+        old.store.close()
+        self.gen += 1  # later chunks change: files of their own
+        self.crcs = []
+        self.open_crc = None
+        self.messages = kept
+        self.segments = [[0, P, "prefill"]] if P else []
+        if len(tokens) > P:
+            self.segments.append([P, len(tokens), "prefill"])
+        self.tokens, self.pending, self.rendered = tokens, [], text
+        self.turns -= k
+        self.catch_up()
+        self.save()
+        return None
+
     def stats(self):
         snap = self.cache.store.snapshot()
+        per_layer = {k: v // self.model.args.n_layers for k, v in snap["chunks"].items()}
         lines = [f"context {self.cache.length} of {self.max_length} positions, {self.turns} turns; "
-                 f"chunks device/host/disk {snap['chunks']['device']}/{snap['chunks']['host']}/"
-                 f"{snap['chunks']['disk']}"]
-        moved = ", ".join(f"{k} {v}" for k, v in snap["bytes"].items() if v)
+                 f"chunks per layer device/host/disk {per_layer['device']}/{per_layer['host']}/"
+                 f"{per_layer['disk']}"]
+        moved = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in snap["bytes"].items() if v)
         lines.append(f"bytes moved: {moved or 'none'}")
         if self.last:
             s = self.last
@@ -423,6 +484,10 @@ def repl(chat, read=input, progress=None):
             elif cmd == "/reset":
                 chat.reset()
                 chat.log("a new conversation; the document is kept")
+            elif cmd == "/drop":
+                arg = line.split()[1:]
+                why = chat.drop(int(arg[0]) if len(arg) == 1 and arg[0].isdigit() else 0)
+                chat.log(f"chat.py: {why}" if why else f"{chat.turns} turns kept")
             elif cmd == "/stats":
                 chat.log(chat.stats())
             elif cmd == "/help":
@@ -490,6 +555,7 @@ def main(argv=None):
             print(f"removed {args.remove}")
             return 0
         chat, lock, fresh = setup(args)
+        kv_store = open_kv_store(args) if fresh else None
     except (UsageError, CheckpointError, OffloadError, SessionError, PrivateError,
             ValueError) as e:
         print(f"chat.py: error: {e}", file=sys.stderr)
@@ -499,7 +565,7 @@ def main(argv=None):
     try:
         if fresh:
             chat.save()  # the session exists before its first long step
-            chat.catch_up(Progress("document"))
+            chat.prefill_document(kv_store, Progress("document"))
             chat.save()
         print(f"session {chat.path}: {chat.cache.length} tokens, {chat.turns} turns; /help lists "
               "the commands", file=sys.stderr)

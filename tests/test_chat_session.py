@@ -309,3 +309,79 @@ def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, t
     assert rc == 0 and err.count("does not render this conversation as an extension") == 1
     t = turns(trace)
     assert t[1]["context"] == t[1]["question_tokens"] + len(t[1]["tokens"]) - 1
+
+
+def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path, capsys):
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    store = ["--kv-store", str(tmp_path / "store")]
+    answers = []
+    for name, needle in (("a", "0 document tokens adopted, 288 stored"),
+                         ("b", "288 document tokens adopted, 0 stored")):
+        trace = tmp_path / f"{name}.jsonl"
+        rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / name, trace, "--document",
+                                                  doc, *store), ["What is a module?"], capsys)
+        assert rc == 0 and needle in err, err
+        answers.append((turns(trace)[0]["tokens"], turns(trace)[0]["logits_sha256"]))
+    assert answers[0] == answers[1]
+
+
+def test_dropping_the_oldest_turn_recomputes_the_rest_at_their_new_places(chat_ckpt, tmp_path,
+                                                                         capsys):
+    """/drop 1 after two turns: the document keeps its KV, the second turn is computed again right
+    after it, and the next answer is what generate() gives over that conversation rendered at
+    once."""
+    from generate import generate
+    from kvcache import make_cache
+    from model import Transformer
+    from offload import OffloadConfig
+    from tokenizer import Tokenizer
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    trace = tmp_path / "a.jsonl"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / "a", trace, "--document", doc),
+                                 ["What is a module?", "And its name?", "/drop 1", "/stats",
+                                  "Why?"], capsys)
+    assert rc == 0 and "1 turns kept" in err and "1 turns" in err
+    with open(tmp_path / "a" / "session.json") as f:
+        m = json.load(f)
+    assert [x["content"] for x in m["messages"][1::2]] == ["And its name?", "Why?"]
+    tok = Tokenizer(chat_ckpt)
+    ids = tok.apply_chat_template(m["messages"][:-1])
+    assert m["tokens"][:len(ids)] == ids
+    model = Transformer.from_pretrained(chat_ckpt)
+    want = generate(model, make_cache(model, OffloadConfig(), 32, 1024), torch.tensor([ids]), 64,
+                    eos_ids=tok.eos_ids)
+    assert turns(trace)[2]["tokens"] == want
+
+
+def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, capsys,
+                                                          monkeypatch):
+    """The disk tier fails (ENOSPC) in the middle of the second answer: chat.py ends in one
+    sentence (exit 1), and the session resumed later answers that question as an uninterrupted
+    session does."""
+    import errno
+
+    from disk import DiskError
+    from offload import TieredStore
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    qs = ["What is a module?", "And its name?"]
+    common = ["--offload", "disk", "--window", "1", "--document", doc]
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, tmp_path / "ref", tmp_path / "ref.jsonl",
+                                            *common), qs, capsys)
+    want = turns(tmp_path / "ref.jsonl")
+    seal = TieredStore.seal
+
+    def full(self, j):  # chunk 12 seals at position 416, inside the second answer
+        if j >= 12:
+            raise DiskError(errno.ENOSPC, "No space left on device")
+        return seal(self, j)
+    monkeypatch.setattr(TieredStore, "seal", full)
+    s = tmp_path / "s"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, *common), qs, capsys)
+    last = err.strip().splitlines()[-1]
+    assert rc == 1 and "No space left" in last and "the turn in flight is dropped" in last
+    assert want[0]["context"] < 384 < want[1]["context"]  # the failure was the second turn's
+    monkeypatch.setattr(TieredStore, "seal", seal)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, tmp_path / "b.jsonl"), qs[1:], capsys)
+    got = turns(tmp_path / "b.jsonl")
+    assert rc == 0 and (got[0]["tokens"], got[0]["logits_sha256"]) == (want[1]["tokens"],
+                                                                      want[1]["logits_sha256"])
