@@ -12,6 +12,7 @@ is encoded and computed. A template that rewrites earlier turns (some strip past
 extend: said once, and such a turn is computed from the start.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -455,14 +456,24 @@ def json_line(obj):
     return json.dumps(obj) + "\n"
 
 
+@contextlib.contextmanager
+def interruptible(chat):
+    """Ctrl-C sets chat.stop instead of raising wherever Python happens to be (half-way through a
+    step, a seal, a save): the loops check it where every fed token is committed."""
+    def interrupt(signum, frame):
+        chat.stop = True
+    chat.stop = False
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def repl(chat, read=input, progress=None):
     """Ask for a line with '> ', answer it; returns the exit code. Ctrl-C stops an answer (and,
     at the prompt, clears the line); Ctrl-D or /quit ends the session, saved."""
-    def interrupt(signum, frame):
-        chat.stop = True
-
     while True:
-        chat.stop = False
         try:
             line = read("> ")
         except EOFError:
@@ -471,39 +482,42 @@ def repl(chat, read=input, progress=None):
         except KeyboardInterrupt:
             chat.write("\n")
             continue
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("/"):
-            cmd = line.split()[0]
-            if cmd == "/quit":
+        with interruptible(chat):
+            if command(chat, line.strip(), progress):
                 return 0
-            if cmd == "/save":
-                chat.save()
-                chat.log(f"saved: {chat.path} (resume with --session {chat.path})")
-            elif cmd == "/reset":
-                chat.reset()
-                chat.log("a new conversation; the document is kept")
-            elif cmd == "/drop":
-                arg = line.split()[1:]
-                why = chat.drop(int(arg[0]) if len(arg) == 1 and arg[0].isdigit() else 0)
-                chat.log(f"chat.py: {why}" if why else f"{chat.turns} turns kept")
-            elif cmd == "/stats":
-                chat.log(chat.stats())
-            elif cmd == "/help":
-                chat.log(HELP)
-            else:
-                chat.log(f"chat.py: {cmd} is not a command; {HELP}")
-            continue
-        old = signal.signal(signal.SIGINT, interrupt)
-        try:
-            why = chat.turn(line, progress() if progress else None)
-        finally:
-            signal.signal(signal.SIGINT, old)
+
+
+def command(chat, line, progress):
+    """One line typed at the prompt: a command or a question. True to end the session."""
+    if not line:
+        return False
+    if not line.startswith("/"):
+        why = chat.turn(line, progress() if progress else None)
         if why:
             chat.log(f"chat.py: {why}")
         else:
             chat.write("\n")
+        return False
+    cmd = line.split()[0]
+    if cmd == "/quit":
+        return True
+    if cmd == "/save":
+        chat.save()
+        chat.log(f"saved: {chat.path} (resume with --session {chat.path})")
+    elif cmd == "/reset":
+        chat.reset()
+        chat.log("a new conversation; the document is kept")
+    elif cmd == "/drop":
+        arg = line.split()[1:]
+        why = chat.drop(int(arg[0]) if len(arg) == 1 and arg[0].isdigit() else 0)
+        chat.log(f"chat.py: {why}" if why else f"{chat.turns} turns kept")
+    elif cmd == "/stats":
+        chat.log(chat.stats())
+    elif cmd == "/help":
+        chat.log(HELP)
+    else:
+        chat.log(f"chat.py: {cmd} is not a command; {HELP}")
+    return False
 
 
 # -----------------------------------------------------------------------------
@@ -565,8 +579,16 @@ def main(argv=None):
     try:
         if fresh:
             chat.save()  # the session exists before its first long step
-            chat.prefill_document(kv_store, Progress("document"))
+            t = time.perf_counter()
+            with interruptible(chat):
+                chat.prefill_document(kv_store, Progress("document"))
+            took = time.perf_counter() - t
             chat.save()
+            print(f"document: {chat.cache.length} tokens prefilled in {took:.2f} s",
+                  file=sys.stderr)
+            if chat.trace:
+                chat.trace.write(json_line({"t": time.time(), "document": {
+                    "tokens": chat.cache.length, "prefill_s": round(took, 4)}}))
         print(f"session {chat.path}: {chat.cache.length} tokens, {chat.turns} turns; /help lists "
               "the commands", file=sys.stderr)
         try:
