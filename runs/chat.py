@@ -181,15 +181,15 @@ class Chat:
                         "other weights (or another --rope-scaling, --quantize or --kv-dtype)")
                 raise SessionError(f"--session {self.path} was made with {what}; resume it with "
                                    "what it was made with, or give another --session")
-        held = len(m.get("tokens") or [])
-        if held + len(m.get("pending") or []) >= self.max_length:
-            raise SessionError(f"--session {self.path} holds {held} positions, which leave no "
-                               f"room in --max-length {self.max_length}; raise --max-length")
         why = state_problem(m, self.model.args.n_layers, self.model.args.vocab_size,
-                            self.max_length)
+                            self.model.args.max_context)
         if why:
             raise SessionError(f"--session {self.path}: {MANIFEST_NAME} {why}; remove it "
                                f"(chat.py --remove {self.path}) or give another --session")
+        held = len(m["tokens"]) + len(m["pending"])
+        if held >= self.max_length:
+            raise SessionError(f"--session {self.path} holds {held} positions, which leave no "
+                               f"room in --max-length {self.max_length}; raise --max-length")
         self.messages, self.tokens, self.segments = m["messages"], m["tokens"], m["segments"]
         self.pending, self.rendered, self.gen = m["pending"], m["rendered"], m["gen"]
         self.turns, self.head = m["turns"], m["head"]
