@@ -124,34 +124,45 @@ def turns(trace):
         return [json.loads(line)["turn"] for line in f if '"turn"' in line]
 
 
-def chat_in_process(argv, lines, capsys):
+def chat_in_process(argv, lines):
     """chat.py's main() in this process, its input the given lines: (exit code, stdout, stderr).
     Cheaper than a terminal (no second torch to import), for the references and the refusals."""
     from runs.chat import main
-    old = sys.stdin
+    old = sys.stdin, sys.stdout, sys.stderr
     sys.stdin = io.StringIO("".join(line + "\n" for line in lines))
+    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
     try:
         rc = main(argv)
+        return rc, sys.stdout.getvalue(), sys.stderr.getvalue()
     finally:
-        sys.stdin = old
-    out, err = capsys.readouterr()
-    return rc, out, err
+        sys.stdin, sys.stdout, sys.stderr = old
+
+
+QUESTIONS = ["What is a module?", "And its name?"]
+TIERS = ["--offload", "disk", "--window", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_ckpt, tmp_path_factory):
+    """The turns of a session never stopped: the document on the disk tier behind a window of one
+    chunk, then QUESTIONS."""
+    tmp = tmp_path_factory.mktemp("reference")
+    rc, _, _ = chat_in_process(["--ckpt", chat_ckpt, *FLAGS, *TIERS, "--document",
+                                os.path.join(chat_ckpt, "doc.txt"), "--session", str(tmp / "s"),
+                                "--trace", str(tmp / "t.jsonl")], QUESTIONS)
+    assert rc == 0
+    return turns(tmp / "t.jsonl")
 
 
 def test_a_session_killed_stopped_and_resumed_gives_the_uninterrupted_tokens_and_logits(
-        chat_ckpt, tmp_path, capsys):
+        chat_ckpt, tmp_path, reference):
     """Through a terminal: a session killed in the middle of an answer, resumed, asked the next
     question (the turn that was being answered is lost, nothing before it): the tokens and logits of
     a session that was never stopped. Then Ctrl-C in the middle of an answer: the session goes on,
     and a copy of it resumed later answers the next question as the session itself does."""
     doc = os.path.join(chat_ckpt, "doc.txt")
-    common = ["--ckpt", chat_ckpt, *FLAGS, "--offload", "disk", "--window", "1"]
-    # the reference: one session, never stopped (in this process: one torch import less)
-    rc, _, _ = chat_in_process([*common, "--document", doc, "--session", str(tmp_path / "ref"),
-                                "--trace", str(tmp_path / "ref.jsonl")],
-                               ["What is a module?", "And its name?"], capsys)
-    assert rc == 0
-    want = turns(tmp_path / "ref.jsonl")
+    common = ["--ckpt", chat_ckpt, *FLAGS, *TIERS]
+    want = reference
     assert len(want) == 2 and want[1]["question_tokens"] < 40  # the turn's own tokens only
 
     s = str(tmp_path / "s")
@@ -185,7 +196,7 @@ def test_a_session_killed_stopped_and_resumed_gives_the_uninterrupted_tokens_and
     a = turns(tmp_path / "b.jsonl")
     assert a[1]["stopped"] and len(a[1]["tokens"]) < 64
     rc, _, _ = chat_in_process([*common, "--session", str(tmp_path / "copy"), "--trace",
-                                str(tmp_path / "c.jsonl")], ["And then?"], capsys)
+                                str(tmp_path / "c.jsonl")], ["And then?"])
     assert rc == 0
     c = turns(tmp_path / "c.jsonl")
     assert (c[0]["tokens"], c[0]["logits_sha256"]) == (a[2]["tokens"], a[2]["logits_sha256"])
@@ -196,7 +207,7 @@ def session_argv(ckpt, path, trace=None, *more):
     return argv + (["--trace", str(trace)] if trace else [])
 
 
-def test_first_answer_is_what_the_whole_conversation_gives(chat_ckpt, tmp_path, capsys):
+def test_first_answer_is_what_the_whole_conversation_gives(chat_ckpt, tmp_path):
     """The document prefilled apart, then the question's own tokens: the same ids as the template's
     rendering of the whole conversation at once, and the same greedy answer as generate() over it
     on a fresh cache."""
@@ -208,7 +219,7 @@ def test_first_answer_is_what_the_whole_conversation_gives(chat_ckpt, tmp_path, 
     doc = os.path.join(chat_ckpt, "doc.txt")
     trace = tmp_path / "t.jsonl"
     rc, _, _ = chat_in_process(session_argv(chat_ckpt, tmp_path / "s", trace, "--document", doc),
-                               ["What is a module?"], capsys)
+                               ["What is a module?"])
     assert rc == 0
     tok = Tokenizer(chat_ckpt)
     ids = tok.apply_chat_template([{"role": "system", "content": DOCUMENT},
@@ -222,36 +233,33 @@ def test_first_answer_is_what_the_whole_conversation_gives(chat_ckpt, tmp_path, 
     assert turns(trace)[0]["tokens"] == want
 
 
-def test_a_damaged_chunk_is_recomputed_to_the_same_bits(chat_ckpt, tmp_path, capsys):
+def test_a_damaged_chunk_is_recomputed_to_the_same_bits(chat_ckpt, tmp_path, reference):
     """A saved chunk that fails its CRC32 is computed again with the first run's schedule (the
     document a chunk-aligned step at a time, the answer a token at a time): the next turn's
     logits are still the uninterrupted session's."""
     doc = os.path.join(chat_ckpt, "doc.txt")
-    s = tmp_path / "s"
-    qs = ["What is a module?", "And its name?"]
-    rc, _, _ = chat_in_process(session_argv(chat_ckpt, s, tmp_path / "a.jsonl", "--document", doc),
-                               qs, capsys)
-    assert rc == 0
-    rc, _, _ = chat_in_process(session_argv(chat_ckpt, tmp_path / "r", None, "--document", doc),
-                               qs[:1], capsys)
+    r = tmp_path / "r"
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, r, None, *TIERS, "--document", doc),
+                               QUESTIONS[:1])
     assert rc == 0
     # chunk 1 of the session that stopped after one turn loses a byte
-    path = tmp_path / "r" / "kv" / "g0-c1.kv"
+    path = r / "kv" / "g0-c1.kv"
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
-    rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / "r", tmp_path / "b.jsonl"),
-                                 qs[1:], capsys)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, r, tmp_path / "b.jsonl", *TIERS),
+                                 QUESTIONS[1:])
     assert rc == 0 and "fails its checksum; recomputing the conversation from position 32" in err
-    a, b = turns(tmp_path / "a.jsonl"), turns(tmp_path / "b.jsonl")
-    assert (b[0]["tokens"], b[0]["logits_sha256"]) == (a[1]["tokens"], a[1]["logits_sha256"])
+    b = turns(tmp_path / "b.jsonl")
+    assert (b[0]["tokens"], b[0]["logits_sha256"]) == (reference[1]["tokens"],
+                                                       reference[1]["logits_sha256"])
 
 
-def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path, capsys):
+def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path):
     doc = os.path.join(chat_ckpt, "doc.txt")
     s = tmp_path / "s"
     rc, _, _ = chat_in_process(session_argv(chat_ckpt, s, None, "--document", doc),
-                               ["What is a module?"], capsys)
+                               ["What is a module?"])
     assert rc == 0
     saved = {p: p.read_bytes() for p in s.rglob("*") if p.is_file() and p.name != "lock"}
     other = tmp_path / "other"  # the same shapes, other weights (config.json is fingerprinted)
@@ -267,34 +275,33 @@ def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path, capsys)
         (session_argv(chat_ckpt, tmp_path / "new", None, "--document", doc, "--max-length", "100"),
          "shorten the document"),
     ]:
-        rc, out, err = chat_in_process(argv, [], capsys)
+        rc, out, err = chat_in_process(argv, [])
         assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, (needle, err)
     # a damaged manifest: refused, with what to do, and left as it was
     m = s / "session.json"
     text = m.read_text()
     m.write_text(text.replace('"turns": 1', '"turns": 2'))
-    rc, _, err = chat_in_process(session_argv(chat_ckpt, s), [], capsys)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s), [])
     assert rc == 2 and "does not match its checksum" in err and "--remove" in err
     m.write_text(text)
     assert saved == {p: p.read_bytes() for p in s.rglob("*") if p.is_file() and p.name != "lock"}
     # the context's end: the question is refused, the session goes on
-    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", "300"), [],
-                                 capsys)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", "300"), [])
     assert rc == 2 and "raise --max-length" in err
     cap = str(len(json.loads(m.read_text())["tokens"]) + 20)
     rc, out, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", cap),
-                                   ["a question far too long " * 20, "/stats"], capsys)
+                                   ["a question far too long " * 20, "/stats"])
     assert rc == 0 and f"of {cap} positions and this question needs" in err and "1 turns" in err
     # listed, then removed
-    rc, out, _ = chat_in_process(["--list", str(tmp_path)], [], capsys)
+    rc, out, _ = chat_in_process(["--list", str(tmp_path)], [])
     assert rc == 0 and "s: 1 turns" in out
-    rc, _, _ = chat_in_process(["--remove", str(s)], [], capsys)
+    rc, _, _ = chat_in_process(["--remove", str(s)], [])
     assert rc == 0 and not s.exists()
-    rc, _, err = chat_in_process(["--remove", str(other)], [], capsys)
+    rc, _, err = chat_in_process(["--remove", str(other)], [])
     assert rc == 2 and "not a session directory" in err and other.exists()
 
 
-def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, tmp_path, capsys):
+def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, tmp_path):
     """A template that drops earlier answers (as some drop past reasoning) does not extend the
     conversation: said once, and the turn is computed from the start, never stitched."""
     ckpt = tmp_path / "m"
@@ -305,13 +312,13 @@ def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, t
         "assistant:\n{% endif %}")
     trace = tmp_path / "t.jsonl"
     rc, _, err = chat_in_process(session_argv(str(ckpt), tmp_path / "s", trace),
-                                 ["What is a module?", "And its name?"], capsys)
+                                 ["What is a module?", "And its name?"])
     assert rc == 0 and err.count("does not render this conversation as an extension") == 1
     t = turns(trace)
     assert t[1]["context"] == t[1]["question_tokens"] + len(t[1]["tokens"]) - 1
 
 
-def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path, capsys):
+def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path):
     doc = os.path.join(chat_ckpt, "doc.txt")
     store = ["--kv-store", str(tmp_path / "store")]
     answers = []
@@ -319,14 +326,14 @@ def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_
                          ("b", "288 document tokens adopted, 0 stored")):
         trace = tmp_path / f"{name}.jsonl"
         rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / name, trace, "--document",
-                                                  doc, *store), ["What is a module?"], capsys)
+                                                  doc, *store), ["What is a module?"])
         assert rc == 0 and needle in err, err
         answers.append((turns(trace)[0]["tokens"], turns(trace)[0]["logits_sha256"]))
     assert answers[0] == answers[1]
 
 
 def test_dropping_the_oldest_turn_recomputes_the_rest_at_their_new_places(chat_ckpt, tmp_path,
-                                                                         capsys):
+                                                                         ):
     """/drop 1 after two turns: the document keeps its KV, the second turn is computed again right
     after it, and the next answer is what generate() gives over that conversation rendered at
     once."""
@@ -339,7 +346,7 @@ def test_dropping_the_oldest_turn_recomputes_the_rest_at_their_new_places(chat_c
     trace = tmp_path / "a.jsonl"
     rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / "a", trace, "--document", doc),
                                  ["What is a module?", "And its name?", "/drop 1", "/stats",
-                                  "Why?"], capsys)
+                                  "Why?"])
     assert rc == 0 and "1 turns kept" in err and "1 turns" in err
     with open(tmp_path / "a" / "session.json") as f:
         m = json.load(f)
@@ -353,8 +360,8 @@ def test_dropping_the_oldest_turn_recomputes_the_rest_at_their_new_places(chat_c
     assert turns(trace)[2]["tokens"] == want
 
 
-def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, capsys,
-                                                          monkeypatch):
+def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, monkeypatch,
+                                                          reference):
     """The disk tier fails (ENOSPC) in the middle of the second answer: chat.py ends in one
     sentence (exit 1), and the session resumed later answers that question as an uninterrupted
     session does."""
@@ -363,11 +370,6 @@ def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, 
     from disk import DiskError
     from offload import TieredStore
     doc = os.path.join(chat_ckpt, "doc.txt")
-    qs = ["What is a module?", "And its name?"]
-    common = ["--offload", "disk", "--window", "1", "--document", doc]
-    rc, _, _ = chat_in_process(session_argv(chat_ckpt, tmp_path / "ref", tmp_path / "ref.jsonl",
-                                            *common), qs, capsys)
-    want = turns(tmp_path / "ref.jsonl")
     seal = TieredStore.seal
 
     def full(self, j):  # chunk 12 seals at position 416, inside the second answer
@@ -376,12 +378,14 @@ def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, 
         return seal(self, j)
     monkeypatch.setattr(TieredStore, "seal", full)
     s = tmp_path / "s"
-    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, *common), qs, capsys)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, *TIERS, "--document", doc),
+                                 QUESTIONS)
     last = err.strip().splitlines()[-1]
     assert rc == 1 and "No space left" in last and "the turn in flight is dropped" in last
-    assert want[0]["context"] < 384 < want[1]["context"]  # the failure was the second turn's
+    assert reference[0]["context"] < 384 < reference[1]["context"]  # the second turn's failure
     monkeypatch.setattr(TieredStore, "seal", seal)
-    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, tmp_path / "b.jsonl"), qs[1:], capsys)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, tmp_path / "b.jsonl", *TIERS),
+                                 QUESTIONS[1:])
     got = turns(tmp_path / "b.jsonl")
-    assert rc == 0 and (got[0]["tokens"], got[0]["logits_sha256"]) == (want[1]["tokens"],
-                                                                      want[1]["logits_sha256"])
+    assert rc == 0 and (got[0]["tokens"], got[0]["logits_sha256"]) == (
+        reference[1]["tokens"], reference[1]["logits_sha256"])
