@@ -640,11 +640,18 @@ def setup(args):
     saved = m or {}
     if args.chunk_size is None:
         args.chunk_size = saved.get("chunk_size", 512)
-    if args.dtype is None and "dtype" in saved and args.quantize == "none":
+    if args.dtype is None and saved.get("dtype") in DTYPES and args.quantize == "none":
         args.dtype = saved["dtype"]
     if args.threads is None and saved.get("threads"):
         args.threads = saved["threads"]
     sampling = saved.get("sampling") or {}
+    # a forged manifest (its checksum recomputed) must not reach a flag with a value of the wrong
+    # type: the checks below see these values as if typed
+    if not (type(args.chunk_size) is int and (type(args.threads) is int or args.threads is None)
+            and isinstance(sampling, dict)):
+        raise SessionError(f"--session {path}: {MANIFEST_NAME} holds settings of the wrong type; "
+                           f"remove it (chat.py --remove {path}) or give another --session")
+    sampling = {k: v for k, v in sampling.items() if type(v) in (int, float)}
     s = Sampling(*(v if v is not None else sampling.get(k, getattr(Sampling, k)) for k, v in (
         ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
         ("seed", args.seed))))

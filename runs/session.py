@@ -180,11 +180,13 @@ def state_problem(m, n_layers, vocab, max_length):
         return "'rendered', 'head', 'gen' or 'turns' is missing"
     chunks = m.get("chunks")
     C = m["chunk_size"]
-    if not is_ints(chunks, len(chunks or []), 0, 1 << 32) or len(chunks) > length // C:
-        return "'chunks' is not one CRC32 per saved chunk"
+    if not is_ints(chunks, length // C, 0, 1 << 32):
+        return "'chunks' is not one CRC32 per sealed chunk"
     o = m.get("open")
-    if o is not None and not (isinstance(o, dict) and o.get("length") == length
-                              and is_ints([o.get("crc")], 1, 0, 1 << 32)):
+    if o is None and length % C == 0:
+        return None
+    if not (isinstance(o, dict) and o.get("length") == length and length % C
+            and is_ints([o.get("crc")], 1, 0, 1 << 32)):
         return "'open' does not describe the open chunk"
     return None
 
