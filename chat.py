@@ -6,11 +6,11 @@ and resumed bit for bit.
     python chat.py --ckpt DIR --document paper.txt --session ~/chats/paper --offload cpu
     python chat.py --list ./chat_sessions
 
-The loop and the session live with the operations (runs/chat.py, runs/session.py); running this
-file runs it.
+The command line, the loop and the session live with the operations (runs/chat_cli.py,
+runs/chat.py, runs/session.py); running this file runs them.
 """
 import sys
 
 if __name__ == "__main__":
-    from runs.chat import main
+    from runs.chat_cli import main
     sys.exit(main())

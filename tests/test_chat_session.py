@@ -127,7 +127,7 @@ def turns(trace):
 def chat_in_process(argv, lines):
     """chat.py's main() in this process, its input the given lines: (exit code, stdout, stderr).
     Cheaper than a terminal (no second torch to import), for the references and the refusals."""
-    from runs.chat import main
+    from runs.chat_cli import main
     old = sys.stdin, sys.stdout, sys.stderr
     sys.stdin = io.StringIO("".join(line + "\n" for line in lines))
     sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
