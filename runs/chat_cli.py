@@ -214,7 +214,10 @@ def setup(args):
     tok = load_tokenizer(args.ckpt)
     if tok is None:
         raise UsageError(f"--ckpt {args.ckpt} has no tokenizer.model or tokenizer.json")
-    tok.chat_template()  # a checkpoint without one is refused before any weight is read
+    try:
+        tok.chat_template()  # a checkpoint without one is refused before any weight is read
+    except CheckpointError as e:  # generate.py's advice (drop --chat) is not chat.py's
+        raise UsageError(str(e).replace("drop --chat or ", "")) from None
     fresh = m is None
     make_private_dir(path, "--session")
     lock = SessionLock(path)
