@@ -262,6 +262,9 @@ def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path):
                                ["What is a module?"])
     assert rc == 0
     saved = {p: p.read_bytes() for p in s.rglob("*") if p.is_file() and p.name != "lock"}
+    # private: the directories 700, every file 600
+    modes = {p.relative_to(s): p.stat().st_mode & 0o777 for p in [s, *s.rglob("*")]}
+    assert modes and all(m == (0o700 if (s / p).is_dir() else 0o600) for p, m in modes.items())
     other = tmp_path / "other"  # the same shapes, other weights (config.json is fingerprinted)
     shutil.copytree(chat_ckpt, other)
     config = json.loads((other / "config.json").read_text())
