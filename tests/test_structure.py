@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ("generate", "kvcache", "attention", "policy", "offload", "pools", "disk", "model",
         "verify")
 LEANS_ON = ("rope", "checkpoint", "kvlayout", "tokenizer", "quantize", "rowwise", "private")
-COMMANDS = ("bench", "probe", "tune", "doctor")  # thin files: a __main__ that hands over
+COMMANDS = ("bench", "probe", "tune", "doctor", "chat")  # thin files: a __main__ that hands over
 # folder -> the folders (besides the top level) its modules may import: measure/ runs the
 # operations in runs/, runs/ never measures
 FOLDERS = {"runs": (), "measure": ("runs",)}
