@@ -47,6 +47,7 @@ from offload import OffloadConfig
 
 K_MAX = 32        # guesses per verify step at most
 LOOKUP_K = 6      # lookup's default: see docs/speculation.md
+BACKOFF = 16      # plain steps at most between failed guesses and the next ones
 NGRAMS = (4, 3, 2)  # lookup's n-gram sizes, longest first; a lone token matches too often
 
 
@@ -82,13 +83,15 @@ def attend_rows(cache, layer, q, k, v):
         raise ValueError("a verify step reads every visible chunk: begin(N, decode=True) with the "
                          "exact selection")
     kv = cache.store.open_chunk(layer)
-    for i in range(N):  # each position's K and V, written as its own step writes them
-        cache.layout.write(kv, off + i, k[i:i + 1], v[i:i + 1])
+    # every position's K and V at once: a copy, or per position a max and elementwise rounding
+    # (int8, int4's values), so each position's bytes are those its own step writes
+    cache.layout.write(kv, off, k.transpose(0, 2), v.transpose(0, 2))  # [1, G, N, D]
+    # [N, H, 1, D] scaled at once (elementwise: each element's bits as its own step's)
+    q = q * (1.0 / math.sqrt(D))
     rows = []
     for i in range(N):
         p = cache.length + i
-        # [1, H, 1, D] -> [1, G, R, D], scaled, as a one-token step makes it
-        q_i = (q[i:i + 1] * (1.0 / math.sqrt(D))).view(1, G, R, 1, D).reshape(1, G, R, D)
+        q_i = q[i:i + 1].view(1, G, R, 1, D).reshape(1, G, R, D)  # [1, H, 1, D] -> [1, G, R, D]
         q_pos = None if W is None else p + torch.zeros(R, dtype=torch.long, device=q.device)
         rows.append(Row(q_i, p, first_visible_chunk(W, p, C), q_pos))
     visits = cache.visits[layer]  # the union: every row's visible chunks (row 0 sees furthest)
@@ -181,6 +184,8 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
     kv_start = cache.store.snapshot()["bytes"].get("kv_read", 0)
     # the int4 layout quantizes a chunk's keys on the write that fills it: only a kept row may
     spare = 1 if isinstance(cache.layout, Int4Layout) else 0
+    idle = 0     # plain steps before the next guesses
+    backoff = 1  # what idle becomes when guesses fail
     while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
         out.append(token.item())
@@ -192,7 +197,9 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         room = min(speculator.k, cache.chunk_size - cache.length % cache.chunk_size - 1 - spare,
                    max_new_tokens - len(out) - 1)
         guesses = []
-        if room > 0:
+        if idle:  # the last guesses all failed: a few plain steps first
+            idle -= 1
+        elif room > 0:
             t = time.perf_counter()
             guesses = speculator.propose(prompt + out, room)[:room]
             stats["draft_s"] += time.perf_counter() - t
@@ -219,16 +226,31 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
                 break
             kept += 1
         stats["kept"] += kept - 1
+        # free text: a verify step whose guesses all fail costs more than a plain step, so each
+        # failure in a row waits twice as long before guessing again (1, 2, 4 ... BACKOFF steps)
+        idle = backoff if kept == 1 else 0
+        backoff = min(2 * backoff, BACKOFF) if kept == 1 else 1
         stats["tokens"] += kept
         commit(cache, kept)
         if on_step:
-            for i in range(kept):
-                on_step("decode", rows[i:i + 1], cache)
+            report_rows(on_step, cache, rows, kept)
         if done:
             break
         logits = rows[kept - 1:kept]
     stats["kv_read_bytes"] += cache.store.snapshot()["bytes"].get("kv_read", 0) - kv_start
     return out
+
+
+def report_rows(on_step, cache, rows, kept):
+    """on_step for each kept row, the cache's length what it is after that row's own step (what
+    on_step reads it for: the position), as one-token decoding calls it."""
+    end = cache.length
+    try:
+        for i in range(kept):
+            cache.length = end - kept + i + 1
+            on_step("decode", rows[i:i + 1], cache)
+    finally:
+        cache.length = end
 
 
 def summary(stats):
