@@ -252,3 +252,20 @@ def test_generate_json_reports_speculation(text_ckpt, capsys):
     spec = result["stats"]["speculation"]
     assert spec["speculate"] == "lookup:4" and spec["verify_steps"] >= 1
     assert result["config"]["speculate"] == "lookup:4"
+
+
+@pytest.mark.parametrize("guesser", [["--speculate", "lookup:3"], ["--draft", "SELF"]])
+def test_verify_py_proves_speculation_in_every_mode(text_ckpt, tmp_path, capsys, guesser):
+    from runs import proofs
+    d = tmp_path / "kv"
+    d.mkdir(mode=0o700)
+    guesser = [text_ckpt if a == "SELF" else a for a in guesser]
+    capsys.readouterr()
+    rc = proofs.main(["--ckpt", text_ckpt, "--max-new-tokens", "12", "--chunk-size", "8",
+                      "--window", "1", "--max-prompt-tokens", "60", "--modes", "cpu,disk",
+                      "--offload-dir", str(d), *guesser])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for mode in ("none", "cpu", "disk"):
+        assert f"{mode}+spec " in out and f"{mode}+spec sampled" in out
+    assert "DIFFERENT" not in out and "OK: every mode" in out
