@@ -74,6 +74,7 @@ HELP_GROUPS = {
                        "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
                    "device", "threads"),
+    "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
                 "select_budget", "select_dense"),

@@ -14,8 +14,8 @@ from speculate import K_MAX, LOOKUP_K, Draft, Lookup, parse_lookup
 DRAFT_K = 4  # --draft-tokens' default: a draft's guesses cost a forward step each
 
 
-def add_flags(p):
-    g = p.add_argument_group("speculation (the output is unchanged)")
+def add_flags(g):
+    """The flags, on a parser or an argument group."""
     g.add_argument("--speculate", metavar="lookup[:K]",
                    help="guess up to K next tokens (default %d) from the longest recent n-gram "
                    "of the prompt and the text so far, and check them in one step that reads "
