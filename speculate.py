@@ -185,6 +185,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
     # the int4 layout quantizes a chunk's keys on the write that fills it: only a kept row may
     spare = 1 if isinstance(cache.layout, Int4Layout) else 0
     idle = 0     # plain steps before the next guesses
+    k_now = speculator.k  # guesses the next verify step may make
     backoff = 1  # what idle becomes when guesses fail
     while len(out) < max_new_tokens and not (out and out[-1] in eos_ids):
         token = sample(logits, sampling, cache.length).to(prompt_ids.device)  # [1, 1]
@@ -194,7 +195,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         if out[-1] in eos_ids or len(out) == max_new_tokens:
             break
         # guesses stay inside the open chunk and never run past max_new_tokens
-        room = min(speculator.k, cache.chunk_size - cache.length % cache.chunk_size - 1 - spare,
+        room = min(k_now, cache.chunk_size - cache.length % cache.chunk_size - 1 - spare,
                    max_new_tokens - len(out) - 1)
         guesses = []
         if idle:  # the last guesses all failed: a few plain steps first
@@ -227,9 +228,14 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
             kept += 1
         stats["kept"] += kept - 1
         # free text: a verify step whose guesses all fail costs more than a plain step, so each
-        # failure in a row waits twice as long before guessing again (1, 2, 4 ... BACKOFF steps)
+        # failure in a row waits twice as long before guessing again (1, 2, 4 ... BACKOFF steps),
+        # then guesses one token; guesses all kept double the next guess count, up to k
         idle = backoff if kept == 1 else 0
         backoff = min(2 * backoff, BACKOFF) if kept == 1 else 1
+        if kept - 1 == len(guesses):
+            k_now = min(speculator.k, 2 * len(guesses))
+        else:
+            k_now = kept  # the guesses kept, and one more
         stats["tokens"] += kept
         commit(cache, kept)
         if on_step:
