@@ -6,6 +6,7 @@ tokens are the same (they must be).
     python tools/speculation.py --contexts 2048,8192 --offloads none,disk --dtypes fp32,bf16
     python tools/speculation.py --tasks quote --contexts 6144 --offloads disk --dtypes bf16 \
         --repeats 3 --ks 4,6,8
+    python tools/speculation.py --step-cost --contexts 2048,6144 --dtypes bf16
 
 Tasks, on the demo model (trained on Python's reference manual) and the manual's pages:
     quote   the prompt is pages of the manual, then the opening of one of its paragraphs: the
@@ -30,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculate  # noqa: E402
-from generate import Sampling  # noqa: E402
+from generate import Sampling, decode_one_token, prefill  # noqa: E402
+from kvcache import make_cache  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from runs.cores import CoreWatch  # noqa: E402
@@ -93,6 +95,34 @@ def chunk_bytes(model, args):
     return 2 * a.n_kv_heads * args.chunk_size * a.head_dim * model.output.weight.element_size()
 
 
+@torch.inference_mode()
+def step_cost(model, tok, args, rows=(2, 3, 5, 7, 9), repeats=15):
+    """What a verify step of N positions costs against a one-token step, at each context: medians
+    of interleaved steps on one cache (--offload none)."""
+    for context in [int(c) for c in args.contexts.split(",")]:
+        ids, _ = document(tok, context)
+        C = args.chunk_size
+        cache = make_cache(model, OffloadConfig(), C, len(ids) + repeats * (sum(rows) + C * 2))
+        prefill(model, cache, torch.tensor([ids]))
+        token = torch.tensor([[ids[-1]]])
+        times = {n: [] for n in (1, *rows)}
+        for _ in range(repeats):
+            for n in times:
+                while cache.length % C + n > C:  # a verify step stays inside the open chunk
+                    decode_one_token(model, cache, token)
+                t = time.perf_counter()
+                if n == 1:
+                    decode_one_token(model, cache, token)
+                else:
+                    speculate.verify_step(model, cache, [ids[-1]] * n)
+                    speculate.commit(cache, 1)
+                times[n].append(time.perf_counter() - t)
+        one = statistics.median(times[1])
+        print(f"context {len(ids)}: one-token step {one * 1e3:.2f} ms; "
+              + ", ".join(f"N={n} {statistics.median(times[n]) / one:.2f}x" for n in rows),
+              flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", default=DEMO)
@@ -106,6 +136,8 @@ def main():
     p.add_argument("--window", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, help="default: as generate.py chooses (cores.py)")
+    p.add_argument("--step-cost", action="store_true",
+                   help="only time verify steps of N positions against one-token steps")
     args = p.parse_args()
     args.device = "cpu"
     watch = CoreWatch()
@@ -121,6 +153,9 @@ def main():
             set_threads(args, watch)
             print(f"<!-- {dtype}: {torch.get_num_threads()} threads, load "
                   f"{open('/proc/loadavg').read().split()[0]} -->", flush=True)
+            if args.step_cost:
+                step_cost(model, tok, args)
+                continue
             for context in [int(c) for c in args.contexts.split(",")]:
                 for task in args.tasks.split(","):
                     ids = task_prompt(tok, task, context)
