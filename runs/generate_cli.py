@@ -26,7 +26,7 @@ from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
-from runs import launch
+from runs import launch, speculation
 from runs.batch import Interrupted, holds_lines, run_batch
 from runs.batcher import Batcher
 from runs.cores import CoreWatch
@@ -81,6 +81,7 @@ HELP_GROUPS = {
                        "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
                    "device", "threads"),
+    "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
                 "select_budget", "select_dense"),
@@ -173,6 +174,7 @@ def build_parser():
     b.add_argument("--trace",
                    help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
                    "alerts; appended to, each run starting with a {\"run_start\"} event")
+    speculation.add_flags(p)
     return one_line_errors(group_help(p, HELP_GROUPS))
 
 
@@ -366,6 +368,7 @@ def generate_main(args):
 
         model_args = read_model_args(args.ckpt, args)
         check_shapes(args, model_args)
+        speculation.check(args, model_args, batch=args.batch_size not in (None, 1))
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so "
@@ -388,7 +391,10 @@ def generate_main(args):
         # a batch's tasks in flight share the model's forward passes (batcher.py); the ranks of a
         # tensor-parallel replica step together, one task at a time
         if args.batch_size is None:
-            args.batch_size = DEFAULT_BATCH_SIZE if args.prompts and layout.tp == 1 else 1
+            batched = args.prompts and layout.tp == 1 and args.speculate_k is None
+            args.batch_size = DEFAULT_BATCH_SIZE if batched else 1
+        draft = speculation.load_draft(args, args.device, DTYPES[args.dtype])
+        guesser = speculation.factory(args, draft)
         set_threads(args, watch, log)  # other processes' load measured while the model loaded
         batcher = Batcher(model) if args.batch_size > 1 else None
         if args.rope_scaling and layout.rank == 0:
@@ -410,6 +416,7 @@ def generate_main(args):
             "rope_override": bool(args.rope_scaling),
             "tp": layout.tp, "replicas": layout.n_replicas,
             **{field: getattr(cfg, field) for field in SELECT_FIELDS},
+            "speculate": args.speculate or (args.draft and f"draft:{args.speculate_k}"),
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         launch.refuse(f"generate.py: error: {e}", layout)
@@ -434,7 +441,7 @@ def generate_main(args):
                               sampling=sampling, eos_ids=tokenizer.eos_ids, task_id=task["id"],
                               on_token=on_token, on_step=on_step, fingerprint=fingerprint,
                               log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
-                              layout=layout, batcher=batcher)
+                              layout=layout, batcher=batcher, speculation=guesser)
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
         positions = len(ids) + len(new)

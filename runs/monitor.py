@@ -114,6 +114,12 @@ def progress_line(stats, n_prompt, n_new):
         f"storage I/O read {fmt_bytes(io['storage_read'])} "
         f"write {fmt_bytes(io['storage_write'])}",
     ]
+    spec = stats.get("speculation")
+    if spec:  # speculate.summary
+        parts.append(f"{spec['speculate']}: {spec['guesses_kept']} of {spec['guesses_proposed']} "
+                     f"guesses kept, {spec['tokens_per_step']:.2f} tok/step, KV "
+                     f"{fmt_bytes(spec['kv_bytes_per_token'])}/tok, guessing "
+                     f"{spec['draft_s']:.2f}s")
     if stats.get("resumed_from"):
         parts.append(f"resumed from position {stats['resumed_from']}")
     return " | ".join(parts)
