@@ -234,12 +234,37 @@ def check_token_ids(d, path, vocab_size):
                               f"list of them, or null, not {shown(eos)}")
 
 
+# the architectures this project computes, as config.json names them
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2"}
+
+
+def architecture(hf_config, path):
+    """'llama', 'mistral' or 'qwen2', from config.json's architectures, else its model_type; any
+    other is refused first, by name, before fields another architecture names differently (GPT-2's
+    n_embd) are missed one at a time."""
+    archs = hf_config.get("architectures") if isinstance(hf_config, dict) else None
+    archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None and model_type in ARCHITECTURES.values():
+        arch = model_type
+    if arch is None:
+        named = model_type if isinstance(model_type, str) else None
+        named = " ".join(x for x in (named, "/".join(archs)) if x) or "(none given)"
+        supported = ", ".join(sorted(set(ARCHITECTURES.values())))
+        raise CheckpointError(f"{path}: unsupported architecture {named}; supported: {supported} "
+                              f"({', '.join(ARCHITECTURES)})")
+    return arch
+
+
 def read_config(ckpt_dir):
     """(config.json as a dict, its path), every field checked (check_config) and its sizes checked
     against the safetensors headers: a num_hidden_layers of 10**9 would otherwise build 10**9
     layers before the first tensor is read."""
     path = os.path.join(ckpt_dir, "config.json")
     hf_config = read_json(path)
+    architecture(hf_config, path)
     check_config(hf_config, path)
     shapes = header_shapes(ckpt_dir)
     layers = set()

@@ -11,9 +11,20 @@ line lives one layer up, in flags.py (flags, checks, batch mode); running this f
 """
 import ctypes
 import ctypes.util
+import signal
+import sys
 from dataclasses import dataclass
 
-import torch
+
+def _interrupted_starting(signum, frame):
+    print("generate.py: interrupted while starting; nothing was kept", file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (runs/generate_cli.py)
+    signal.signal(signal.SIGINT, _interrupted_starting)
+
+import torch  # noqa: E402
 
 from kvcache import BatchedCaches
 
@@ -162,7 +173,6 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
 # the command line lives with the operations (runs/generate_cli.py); this file stays importable on
 # its own
 if __name__ == "__main__":
-    import sys
     # the operations import this very module, not a second copy of it
     sys.modules["generate"] = sys.modules["__main__"]
     from runs import generate_cli, launch

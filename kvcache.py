@@ -214,11 +214,15 @@ class KVCache:
         self.step_bytes["kv_read"] += read * chunk
         self.step_chunks += read
 
-    def commit(self):
+    def commit(self, kept=None):
         """The step's positions are written on every layer: advance. True when the open chunk is now
         full and must be sealed (the caller does that, visibly: it moves data); its keys are
-        summarised for the selection first, while it is still the open chunk."""
-        self.length += self.T
+        summarised for the selection first, while it is still the open chunk. kept: advance by
+        the step's first `kept` positions only (a verify step, speculate.py): the rest stay past
+        the length, unread, and the next step overwrites them."""
+        if kept is not None and not 1 <= kept <= self.T:
+            raise ValueError(f"a step of {self.T} positions cannot keep {kept}")
+        self.length += self.T if kept is None else kept
         self.T = 0
         if self.decoding:
             self.decode_steps += 1

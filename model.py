@@ -20,13 +20,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, check_config, iter_checkpoint, read_config
+from checkpoint import (
+    CheckpointError,
+    architecture,
+    check_config,
+    iter_checkpoint,
+    read_config,
+)
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
 from rowwise import linear
-
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2"}
-
 
 # -----------------------------------------------------------------------------
 # config
@@ -94,15 +96,8 @@ class ModelArgs:
         def refuse(what):
             raise CheckpointError(f"{path}: {what}; this project supports plain Llama, Mistral and "
                                   "Qwen2 models only")
+        arch = architecture(hf_config, path)  # another architecture is named, before its fields
         check_config(hf_config, path)  # every field we read: its type and range
-        archs = hf_config.get("architectures") or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        model_type = hf_config.get("model_type")
-        if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(model_type)
-        if arch is None:
-            refuse(f"architectures={archs} / model_type={model_type!r} is not one of "
-                   f"{sorted(ARCHITECTURES)}")
         sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "vocab_size")
         for key in sizes:

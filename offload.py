@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
-from policy import Placement, plan_tiers
+from policy import Placement, host_budget_refusal, plan_tiers
 from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda
 from private import PrivateError, make_private_dir
 
@@ -72,11 +72,6 @@ class OffloadConfig:
     select: str = "all"
     select_budget: Optional[int] = None
     select_dense: Optional[int] = None
-
-
-# the OffloadConfig fields that --select, --select-budget and --select-dense set: the flags, a
-# run's recorded config and a task's identity all read this one list
-SELECT_FIELDS = ("select", "select_budget", "select_dense")
 
 
 # -----------------------------------------------------------------------------
@@ -131,11 +126,9 @@ class TieredStore:
         if cfg.cpu_budget_gib is not None:
             budget_slots = int(cfg.cpu_budget_gib * 2**30) // self.slot_bytes
         plan = plan_tiers(max_length, C, self.window, n_layers, cfg.mode, budget_slots)
-        if plan.unplaced:
-            raise OffloadError(f"--cpu-budget {cfg.cpu_budget_gib:.3g} GiB{cfg.budget_note} holds "
-                               f"{plan.host} of the {plan.offloaded} chunks this task offloads "
-                               f"({plan.offloaded * self.slot_bytes / 2**30:.2f} GiB); raise it, "
-                               "widen --window, or use --offload disk")
+        refusal = host_budget_refusal(plan, cfg.cpu_budget_gib, self.slot_bytes, cfg.budget_note)
+        if refusal:
+            raise OffloadError(refusal)
         self.host = HostPool(plan.host, shape, dtype, pin=self.cuda)
 
         # the disk tier and two threads: the reader (prefetch) and the writer (writes, then syncs)

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+# the OffloadConfig fields that --select, --select-budget and --select-dense set: the flags, a
+# run's recorded config and a task's identity all read this one list
+SELECT_FIELDS = ("select", "select_budget", "select_dense")
 # every selection by its --select name, in the order the classes are defined: a class with a
 # `name` registers itself (Exact.__init_subclass__)
 SELECTIONS = {}
@@ -275,3 +278,13 @@ def plan_tiers(positions, chunk_size, window, n_layers, mode="disk", host_slots=
     disk = offloaded - host if mode == "disk" else 0
     unplaced = offloaded - host - disk
     return TierPlan(n, n_layers * sealed - offloaded, host, disk, unplaced)
+
+
+def host_budget_refusal(plan, budget_gib, slot_bytes, note=""):
+    """Why --cpu-budget cannot hold the chunks `plan` offloads to the host (--offload cpu), or None:
+    the store says it when it is made, the command line before the model loads."""
+    if not plan.unplaced:
+        return None
+    return (f"--cpu-budget {budget_gib:.3g} GiB{note} holds {plan.host} of the {plan.offloaded} "
+            f"chunks this task offloads ({plan.offloaded * slot_bytes / 2**30:.2f} GiB); raise it, "
+            "widen --window, or use --offload disk")

@@ -102,6 +102,11 @@ class Tokenizer:
         chat template, as transformers' apply_chat_template(messages, add_generation_prompt=...,
         tokenize=True) gives them. template_vars reach the template too, e.g.
         enable_thinking=False for Qwen3."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt,
+                                                     **template_vars))
+
+    def render_chat(self, messages, add_generation_prompt=True, **template_vars):
+        """The text the chat template makes of `messages` (apply_chat_template before encoding)."""
         import jinja2
         problem = messages_problem(messages)
         if problem:
@@ -127,7 +132,7 @@ class Tokenizer:
             raise ValueError(f"the chat template of {self.ckpt_dir} failed "
                              f"({type(e).__name__}: {one_line(e)}); fix the template, or drop "
                              "--chat") from None
-        return self.encode_rendered(text)
+        return text
 
     def chat_template(self):
         """The checkpoint's chat template, compiled; CheckpointError when it has none or it does not
@@ -147,10 +152,11 @@ class Tokenizer:
                                       f"({one_line(e)})") from None
         return self._template
 
-    def encode_rendered(self, text):
+    def encode_rendered(self, text, continues=False):
         """Encode a rendered chat: the template wrote BOS and the other special tokens itself, so
         none are added (transformers' add_special_tokens=False) and each special token's text
-        becomes its one id."""
+        becomes its one id. continues: the text goes on from a rendering already encoded (a chat's
+        next turn), so its first piece gets no sentencepiece prefix space either."""
         if self.kind == "json":  # tokenizer.json matches its added tokens itself
             return self.tok.encode(text, add_special_tokens=False).ids
         # sentencepiece reads "<s>" as three characters: split on the special tokens first, as
@@ -168,7 +174,7 @@ class Tokenizer:
             if i % 2:
                 ids.append(ids_of[piece])
             elif piece:
-                if self.legacy or i == 0:
+                if self.legacy or (i == 0 and not continues):
                     ids += self.tok.EncodeAsIds(piece)
                 else:
                     ids += self._encode_no_prefix(piece)

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from generate import generate
+import speculate
+from generate import Sampling, generate
 from kvcache import make_cache
 
 # real English text that every Python installation carries: the reference manual's pages on a few
@@ -26,10 +27,13 @@ DEFAULT_TOPICS = ("with", "try", "for", "while", "if", "assignment")
 DEFAULT_PROMPT = "\n\n".join(pydoc_data.topics.topics[t] for t in DEFAULT_TOPICS)
 
 
-def run_mode(model, ids, max_new, chunk_size, cfg, kv_dtype="auto", share=None):
-    """Greedy generation of max_new tokens after the prompt `ids` (a list), its KV stored as the
-    OffloadConfig `cfg` says. Returns (new ids, [(position, phase, logits [V]), ...], stats).
-    share: under tensor parallelism, what makes rank 0's token everyone's."""
+def run_mode(model, ids, max_new, chunk_size, cfg, kv_dtype="auto", share=None,
+             sampling=Sampling(), speculator=None):
+    """Greedy generation (or as `sampling` says) of max_new tokens after the prompt `ids` (a
+    list), its KV stored as the OffloadConfig `cfg` says. Returns (new ids, [(position, phase,
+    logits [V]), ...], stats). share: under tensor parallelism, what makes rank 0's token
+    everyone's. speculator: decode with its guesses checked in verify steps (speculate.py), which
+    must change nothing."""
     steps = []
     clock = {"t": time.perf_counter(), "decode_s": 0.0}
 
@@ -45,7 +49,11 @@ def run_mode(model, ids, max_new, chunk_size, cfg, kv_dtype="auto", share=None):
     cache = make_cache(model, cfg, chunk_size, len(ids) + max_new, kv_dtype=kv_dtype)
     prompt = torch.tensor([ids], device=cache.store.device)  # [1, P]
     try:
-        new = generate(model, cache, prompt, max_new, on_step=on_step, share=share)
+        if speculator is None:
+            new = generate(model, cache, prompt, max_new, sampling, on_step=on_step, share=share)
+        else:
+            new = speculate.generate(model, cache, prompt, max_new, sampling, on_step=on_step,
+                                     speculator=speculator)
         snap = cache.store.snapshot()
     finally:
         cache.store.close()
@@ -54,6 +62,8 @@ def run_mode(model, ids, max_new, chunk_size, cfg, kv_dtype="auto", share=None):
              "decode_tokens_per_s": decoded / clock["decode_s"] if clock["decode_s"] else 0.0,
              "chunks_read_per_decode_step": cache.decode_chunks / max(1, cache.decode_steps),
              "reused_tokens": 0}
+    if speculator is not None:
+        stats["speculation"] = speculate.summary(speculator.stats)
     return new, steps, stats
 
 

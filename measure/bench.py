@@ -570,7 +570,7 @@ def main(argv=None):
         dtype = DTYPES[args.dtype]
         if args.random_model and not args.ckpt:  # the random model's files, removed at the end
             tmp = tempfile.mkdtemp(prefix="bench-model-")
-        model_args = measured_model_args(args, contexts, tmp)
+        model_args, contexts = measured_model_args(args, contexts, tmp)
         if args.child_run:
             print(json.dumps(child_run(args, contexts, model_args.vocab_size, dtype)))
             return 0

@@ -39,6 +39,7 @@ from runs.flags import (
     DTYPES,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     read_model_args,
@@ -356,8 +357,7 @@ def main(argv=None):
     device_ok = not probe.is_cuda(args.device) or torch.cuda.is_available()
     try:
         args.ckpt = args.ckpt or DEMO_CKPT
-        if not os.path.isdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+        check_ckpt_dir(args.ckpt)
         positive = min(args.max_new_tokens, args.probe_mib // 8, args.context or 1) >= 1
         if not positive or args.target_tok_s <= 0:
             raise UsageError("--max-new-tokens, --context and --target-tok-s must be > 0 and "

@@ -12,10 +12,14 @@ from runs.flags import (
     MODE_SPECS,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     check_shapes,
+    print_err,
     read_model_args,
 )
+
+DEFAULT_CONTEXTS = "1024,4096,8192"
 
 
 def add_measure_flags(p, verb):
@@ -31,8 +35,9 @@ def add_measure_flags(p, verb):
                    "dim=,layers=,heads=,kv_heads=,head_dim=,hidden=,vocab=")
     p.add_argument("--layers", type=int,
                    help="with --random-model: set the layer count (e.g. cut 7b-like to 4)")
-    p.add_argument("--contexts", default="1024,4096,8192",
-                   help="prompt lengths, comma separated (default %(default)s)")
+    p.add_argument("--contexts",
+                   help=f"prompt lengths, comma separated (default {DEFAULT_CONTEXTS}, cut to fit "
+                   "the model's context with --new-tokens)")
     p.add_argument("--modes", default="none,cpu,disk,disk+zstd",
                    help=f"comma list of {list(MODE_SPECS)} (default all)")
     p.add_argument("--new-tokens", type=int, default=32,
@@ -43,6 +48,9 @@ def add_measure_flags(p, verb):
 def check_measure(args, verb):
     """The checks behind add_measure_flags (--new-tokens aside: each script checks it with
     --repeats), before any heavy work. Returns (contexts, modes)."""
+    args.contexts_given = args.contexts is not None
+    if args.contexts is None:
+        args.contexts = DEFAULT_CONTEXTS
     try:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     except ValueError:
@@ -67,25 +75,41 @@ def check_measure(args, verb):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where "
                              "to write the new model; give a new directory, or drop --random-model "
                              f"to {verb} the model already there")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt or DEMO_CKPT}: no such directory")
+    else:
+        check_ckpt_dir(args.ckpt or DEMO_CKPT)
     return contexts, modes
 
 
 def measured_model_args(args, contexts, scratch=None):
     """The model bench.py or probe.py measures: --random-model written into --ckpt or scratch (a
     temporary directory the caller made and removes), else --ckpt, else the demo model; sets
-    args.ckpt. Returns its ModelArgs (with the --rope-scaling override), refused in one UsageError
-    when --quantize or --kv-dtype cannot take its shapes or the contexts exceed it, before any
-    weight is read."""
+    args.ckpt. Returns (its ModelArgs with the --rope-scaling override, the contexts: the default
+    ones cut to fit it), refused in one UsageError when --quantize or --kv-dtype cannot take its
+    shapes or given contexts exceed it, before any weight is read."""
     if args.random_model:
         dtype = DTYPES[args.dtype]
         args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or scratch, dtype, args.device)
     args.ckpt = args.ckpt or DEMO_CKPT
     model_args = read_model_args(args.ckpt, args)
     check_shapes(args, model_args)
-    longest = max(contexts) + args.new_tokens
-    if longest > model_args.max_context:
-        raise UsageError(f"--contexts {max(contexts)} plus --new-tokens {args.new_tokens}: "
+    contexts = fitted_contexts(contexts, args.contexts_given, args.new_tokens, model_args,
+                               "--contexts")
+    return model_args, contexts
+
+
+def fitted_contexts(contexts, given, new_tokens, model_args, flag, log=print_err):
+    """The prompt lengths to measure: those given, refused past the model's context (a smaller one,
+    or RoPE stretched); the defaults cut to fit it, said once in `log`."""
+    room = model_args.max_context - new_tokens
+    if max(contexts) <= room:
+        return contexts
+    longest = max(contexts) + new_tokens
+    if given or room < 1:
+        fits = f"at most {room} fit with them, so give a smaller {flag}; " if room >= 1 else ""
+        raise UsageError(f"{flag} {max(contexts)} plus --new-tokens {new_tokens}: {fits}"
                          + context_refusal(longest, model_args))
-    return model_args
+    fitted = sorted({min(c, room) for c in contexts})
+    log(f"{flag} {','.join(map(str, fitted))}: the default {','.join(map(str, contexts))} cut to "
+        f"the model's context of {model_args.max_context} positions, less --new-tokens "
+        f"{new_tokens}; give {flag} to choose")
+    return fitted

@@ -583,7 +583,7 @@ def main(argv=None):
         dtype = DTYPES[args.dtype]
         if args.random_model and not args.ckpt:  # the random model's files, removed at the end
             tmp = tempfile.mkdtemp(prefix="probe-model-")
-        model_args = measured_model_args(args, contexts, tmp)
+        model_args, contexts = measured_model_args(args, contexts, tmp)
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

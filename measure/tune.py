@@ -38,18 +38,19 @@ import torch
 from checkpoint import CheckpointError
 from disk import ALIGN, DiskError, round_up
 from measure import bench, probe
+from measure.flags import fitted_contexts
 from measure.random_model import PRESETS, build_random_checkpoint, parse_model_spec
 from model import Transformer
 from offload import OffloadConfig
 from policy import TierPlan, plan_tiers
 from pools import OffloadError
 from quantize import weight_bytes
-from rope import context_refusal
 from runs.flags import (
     DEMO_CKPT,
     DTYPES,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     quantize_mode,
@@ -62,6 +63,7 @@ from runs.monitor import mem_available
 from runs.taskdir import TaskDirError
 
 CHUNKS = (128, 256, 512, 1024)   # step 1's grid, cut at the context
+DEFAULT_CONTEXT = 8192
 SLOTS = (2, 4, 8)                # step 4's grid
 TIERS = ("none", "cpu", "disk")  # nearest first
 PRUNE = 0.5   # predicted decode under this fraction of the best prediction: not measured
@@ -226,12 +228,19 @@ def search(model, model_args, args, log):
     cals = {C: [] for C in sizes}
     pfits = {C: [] for C in sizes}
     t = time.perf_counter()
+    live = [c for c in cands if not c.pruned]
+    log(f"tuning: calibrate {len(sizes)} chunk sizes twice, then measure up to {len(live)} "
+        f"configurations (a prefill of {ctx} tokens and {args.new_tokens} decoded each, the close "
+        f"ones {args.repeats} times); how long that takes is said as the calibration goes")
     # twice, the second in reverse order, medians: so that drift hits every chunk size alike
-    for rnd in range(2):
-        for C in sizes if rnd == 0 else sizes[::-1]:
-            first = next(c for c in cands if c.chunk_size == C and not c.pruned)
-            cals[C].append(probe.calibrate(model, as_args(args, first), [ctx], modes))
-            pfits[C].append(probe.prefill_fit(model, ctx, C, args.kv_dtype))
+    order = sizes + sizes[::-1]
+    for i, C in enumerate(order, 1):
+        first = next(c for c in cands if c.chunk_size == C and not c.pruned)
+        cals[C].append(probe.calibrate(model, as_args(args, first), [ctx], modes))
+        pfits[C].append(probe.prefill_fit(model, ctx, C, args.kv_dtype))
+        spent = time.perf_counter() - t
+        log(f"calibrating [{i}/{len(order)}] chunk {C}: {spent:.0f}s so far, about "
+            f"{spent / i * (len(order) - i):.0f}s to go")
     log(f"calibrated chunk sizes {sizes} in {time.perf_counter() - t:.1f}s")
     for c in cands:
         if c.pruned:
@@ -254,15 +263,22 @@ def search(model, model_args, args, log):
     bench.run_ours(model, ids[:warm.chunk_size * 2], as_args(args, warm), "none", "tune_warmup", 3)
 
     def measure(cs, why):
-        for c in cs:
+        for i, c in enumerate(cs, 1):
             tag = f"tune_{len(c.runs)}_{id(c)}"
             _, st = bench.run_ours(model, ids, as_args(args, c), c.mode, tag)
             st["device_kv_bytes"] = st["peak_device_bytes"] - weights
             c.runs.append(st)
-            log(f"{why}: chunk {c.chunk_size} window {c.window} {c.mode} slots {c.staging_slots}: "
-                f"decode {st['decode_tokens_per_s']:,.1f} tok/s, load {os.getloadavg()[0]:.2f}")
+            log(f"{why} [{i}/{len(cs)}]: chunk {c.chunk_size} window {c.window} {c.mode} slots "
+                f"{c.staging_slots}: decode {st['decode_tokens_per_s']:,.1f} tok/s, load "
+                f"{os.getloadavg()[0]:.2f}")
 
-    measure(sorted((c for c in live if not c.pruned), key=lambda c: -c.pred_decode), "measure")
+    first_pass = sorted((c for c in live if not c.pruned), key=lambda c: -c.pred_decode)
+    # one run: the prompt at the predicted prefill rate, the new tokens at the decode rate
+    expect = sum(ctx / c.pred_prefill + args.new_tokens / c.pred_decode for c in first_pass
+                 if c.pred_prefill)
+    log(f"measuring {len(first_pass)} configurations: about {expect:.0f}s by the calibration's "
+        f"predictions, the close ones again after ({args.repeats} runs each in all)")
+    measure(first_pass, "measure")
     # the close ones again, in reverse order, so that drift hits them alike
     for rep in range(args.repeats - 1):
         best = max(decode_speed(c) for c in cands if c.runs)
@@ -497,8 +513,9 @@ def build_parser():
     p.add_argument("--device-budget", type=float,
                    help="GiB of KV the device may hold (default: CUDA, 90%% of its free memory "
                    "after the weights; CPU, half of MemAvailable)")
-    p.add_argument("--context", type=int, default=8192,
-                   help="prompt tokens to tune for (default %(default)s)")
+    p.add_argument("--context", type=int,
+                   help=f"prompt tokens to tune for (default {DEFAULT_CONTEXT}, cut to fit the "
+                   "model's context with --new-tokens)")
     p.add_argument("--new-tokens", type=int, default=32,
                    help="greedy tokens decoded per run (default %(default)s)")
     p.add_argument("--chunk-sizes", default=",".join(map(str, CHUNKS)),
@@ -525,6 +542,9 @@ def check(args):
     except ValueError:
         raise UsageError("--chunk-sizes must be comma-separated integers, got "
                          f"{args.chunk_sizes!r}") from None
+    args.context_given = args.context is not None
+    if args.context is None:
+        args.context = DEFAULT_CONTEXT
     checks = [
         (args.context >= 1,
          f"--context must be >= 1, got {args.context}"),
@@ -538,7 +558,7 @@ def check(args):
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
-    args.chunk_sizes = [c for c in sizes if c <= args.context] or [sizes[0]]
+    args.chunk_grid = sizes  # cut at the context once the model's is known (main)
     if args.prompt_file:
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
@@ -552,8 +572,8 @@ def check(args):
         if args.ckpt and os.path.exists(args.ckpt) and os.listdir(args.ckpt):
             raise UsageError(f"--ckpt {args.ckpt} is not empty: with --random-model it names where "
                              "to write the new model; give a new directory")
-    elif not os.path.isdir(args.ckpt or DEMO_CKPT):
-        raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+    else:
+        check_ckpt_dir(args.ckpt or DEMO_CKPT)
 
 
 def log(msg):
@@ -572,10 +592,9 @@ def main(argv=None):
             log(f"random model written to {args.ckpt} (kept: the command below uses it)")
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
-        if args.context + args.new_tokens > model_args.max_context:
-            refusal = context_refusal(args.context + args.new_tokens, model_args)
-            raise UsageError(f"--context {args.context} plus --new-tokens {args.new_tokens}: "
-                             + refusal)
+        args.context = fitted_contexts([args.context], args.context_given, args.new_tokens,
+                                       model_args, "--context", log)[0]
+        args.chunk_sizes = [c for c in args.chunk_grid if c <= args.context] or args.chunk_grid[:1]
         model = Transformer.from_pretrained(args.ckpt, device=args.device, dtype=dtype,
                                             rope_override=rope_override(args),
                                             quantize=quantize_mode(args))

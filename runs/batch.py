@@ -36,12 +36,36 @@ TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,),
                "temperature": (int, float), "seed": (int,)}
 
 
-class NotANumber(ValueError):
-    """NaN or Infinity in a task line: JSON has no such numbers, and no field takes them."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C reached a batch: each task in flight stops at its next step, keeping its directory
+    (for resume) as any failed task does."""
 
 
-def no_constants(name):
-    raise NotANumber(f"{name} is not a number a task may hold")
+class NotANumber:
+    """NaN or Infinity in a task line, kept in its place so that the problem can name the field:
+    JSON has no such numbers, and no field takes them."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+def not_a_number(value):
+    """(where, name) of the first NaN or Infinity in a parsed line (where: "temperature",
+    "messages.0.content"), or None. A stack, not recursion: the line may nest as deep as json
+    allows."""
+    stack = [("", value)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, NotANumber):
+            return path, x.name
+        if isinstance(x, dict):
+            items = list(x.items())
+        elif isinstance(x, list):
+            items = list(enumerate(x))
+        else:
+            continue
+        stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(items))
+    return None
 
 
 def read_tasks(path):
@@ -72,6 +96,16 @@ def read_tasks(path):
     return tasks, errors
 
 
+def holds_lines(path):
+    """Whether the --prompts file has a line that is not blank (True when it cannot be read:
+    read_tasks says why)."""
+    try:
+        with open(path, "rb") as f:
+            return any(raw.strip() for raw in f)
+    except OSError:
+        return True
+
+
 def parse_line(raw):
     """One line of bytes -> (the JSON value, None), or (None, why it is not JSON)."""
     try:
@@ -79,15 +113,19 @@ def parse_line(raw):
     except UnicodeDecodeError as e:
         return None, f"not valid UTF-8 (byte {e.start + 1} of the line)"
     try:
-        return json.loads(line, parse_constant=no_constants), None
-    except NotANumber as e:
-        return None, str(e)
+        value = json.loads(line, parse_constant=NotANumber)
     except json.JSONDecodeError as e:
         return None, f"not valid JSON ({e.msg})"
     except ValueError:  # json refuses an integer of thousands of digits
         return None, "not valid JSON (a number of thousands of digits)"
     except RecursionError:
         return None, "not valid JSON (nested too deeply)"
+    found = not_a_number(value)
+    if found:
+        where, name = found
+        field = f"field '{where}' is" if where else "the line is"
+        return None, f"{field} {name}, which is no number JSON or a task may hold; give a number"
+    return value, None
 
 
 def task_problem(task):
@@ -192,10 +230,11 @@ class Results:
         os.close(self.fd)
 
 
-def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
+def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None):
     """Run every task not yet in the output; returns the exit code (0 only if every task
     succeeded). Under torchrun (layout) each replica runs its share of the tasks (launch.my_tasks)
-    and its leader appends their results."""
+    and its leader appends their results. stop: an Event set on Ctrl-C, after which run_one's steps
+    raise Interrupted."""
     layout = layout or Layout.single()
     log = monitor.log
     started = time.perf_counter()
@@ -203,6 +242,9 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
         raise ValueError("--batch-size above 1 is not combined with --tp above 1 (the ranks of a "
                          "replica step together); run more replicas instead: a smaller --tp")
     tasks, errors = read_tasks(args.prompts)
+    # every replica reads the whole file: the first one alone reports (and counts) its bad lines
+    if layout.replica:
+        errors = []
     for e in errors:
         log(e)
     results = Results(args.output, log)
@@ -239,11 +281,22 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
     # --batch-size tasks in flight, a thread each; their forward passes meet in the batcher, which
     # runs them on its own thread (and the tasks' threads keep to one: cores.one_thread_here)
     init = one_thread_here if batcher is not None else None
-    with ThreadPoolExecutor(args.batch_size, thread_name_prefix="task", initializer=init) as pool:
-        futures = [pool.submit(one, task) for task in todo]
-        for future in futures:
-            future.result()  # a failure that stops the replica (tensor parallel) is raised here
-    results.close()
+    try:
+        with ThreadPoolExecutor(args.batch_size, thread_name_prefix="task",
+                                initializer=init) as pool:
+            futures = [pool.submit(one, task) for task in todo]
+            try:
+                for future in futures:
+                    future.result()  # a failure that stops the replica (tensor parallel) is here
+            except KeyboardInterrupt:
+                # the tasks not begun never start; those in flight stop at their next step
+                for future in futures:
+                    future.cancel()
+                if stop is not None:
+                    stop.set()
+                raise
+    finally:
+        results.close()
     if batcher is not None:  # how many decode steps the tasks in flight shared
         monitor.totals["batched_steps"] = batcher.steps
         monitor.totals["batched_rows"] = batcher.rows
@@ -252,7 +305,7 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None):
     monitor.totals["wall_s"] = time.perf_counter() - started
     if layout.n_replicas > 1:
         prefix = f"group {layout.replica}: "
-        log(prefix + monitor.summary().replace("\n", "\n" + prefix))
+        log(prefix + monitor.summary(failures=False).replace("\n", "\n" + prefix))
     totals, _ = launch.batch_totals(monitor.totals, layout)  # every replica's share meets on rank 0
     if layout.rank == 0:
         print(monitor.summary(totals), file=sys.stderr, flush=True)

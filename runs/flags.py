@@ -13,8 +13,8 @@ import torch
 from checkpoint import read_config
 from kvlayout import KV_DTYPES, chunk_layout
 from model import ModelArgs
-from offload import SELECT_FIELDS, OffloadConfig
-from policy import SELECTIONS, budgeted, summary
+from offload import OffloadConfig
+from policy import SELECT_FIELDS, SELECTIONS, budgeted, summary
 from private import PrivateError, create_private, make_private_dir
 from quantize import (
     INT4_DEFAULT_GROUP_SIZE,
@@ -176,7 +176,17 @@ def check_common(args, needs_disk):
         if not ok:
             raise UsageError(msg)
     if needs_disk:
-        args.created_offload_dir = check_writable_dir(args.offload_dir)
+        check_offload_dir(args)
+
+
+def check_offload_dir(args):
+    """--offload-dir: made if needed, private and writable (check_writable_dir), or a UsageError."""
+    args.created_offload_dir = check_writable_dir(args.offload_dir)
+    # the default directory holding an earlier run's tasks (a resume): it goes again, as if this
+    # run had made it, once it is left empty; one the user made, or named, stays
+    args.emptied_default_dir = (not args.created_offload_dir
+                                and args.offload_dir == DEFAULT_OFFLOAD_DIR
+                                and bool(os.listdir(args.offload_dir)))
 
 
 def set_threads(args, watch=None, log=None):
@@ -230,6 +240,16 @@ def check_writable_dir(path):
     return created
 
 
+def check_ckpt_dir(path):
+    """--ckpt must name a checkpoint's directory; a file in one (its config.json) says which."""
+    if os.path.isdir(path):
+        return
+    if os.path.isfile(path):
+        raise UsageError(f"--ckpt {path}: is a file; give the checkpoint's directory, the one "
+                         f"holding config.json ({os.path.dirname(path) or '.'})")
+    raise UsageError(f"--ckpt {path}: no such directory")
+
+
 def remove_if_empty(path):
     """Remove the directory `path` if it is empty; leave it otherwise."""
     try:
@@ -239,9 +259,10 @@ def remove_if_empty(path):
 
 
 def remove_created_offload_dir(args):
-    """On every exit of a script: the --offload-dir that check_common created for this run is
-    removed again if the run left it empty (a failed task's directory keeps it, for resume)."""
-    if getattr(args, "created_offload_dir", False):
+    """On every exit of a script: the --offload-dir that check_common created for this run, or the
+    default one an earlier run left its tasks in, is removed again if the run left it empty (a
+    failed task's directory keeps it, for resume)."""
+    if getattr(args, "created_offload_dir", False) or getattr(args, "emptied_default_dir", False):
         remove_if_empty(args.offload_dir)
 
 

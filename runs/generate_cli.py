@@ -15,15 +15,19 @@ import math
 import os
 import signal
 import sys
+import threading
 
 from checkpoint import CheckpointError
+from disk import ALIGN, round_up
 from generate import SEED_LIMIT, Sampling
-from offload import COMPRESSIONS, MODES, SELECT_FIELDS, OffloadConfig
+from kvlayout import kv_chunk_bytes
+from offload import COMPRESSIONS, MODES, OffloadConfig
+from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
-from runs import launch
-from runs.batch import run_batch
+from runs import launch, speculation
+from runs.batch import Interrupted, holds_lines, run_batch
 from runs.batcher import Batcher
 from runs.cores import CoreWatch
 from runs.flags import (
@@ -32,10 +36,13 @@ from runs.flags import (
     DTYPES,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
+    check_offload_dir,
     check_shapes,
     one_line_errors,
     open_kv_store,
+    print_err,
     quantize_mode,
     read_model_args,
     remove_created_offload_dir,
@@ -47,7 +54,7 @@ from runs.flags import (
 from runs.monitor import Monitor, progress_line
 from runs.progress import Progress
 from runs.task import run_task
-from runs.taskdir import TaskDirError
+from runs.taskdir import TaskDirError, safe_task_name
 from runs.tp import gather_stats
 from tokenizer import load_tokenizer
 
@@ -74,6 +81,7 @@ HELP_GROUPS = {
                        "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
                    "device", "threads"),
+    "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
                 "select_budget", "select_dense"),
@@ -166,6 +174,7 @@ def build_parser():
     b.add_argument("--trace",
                    help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
                    "alerts; appended to, each run starting with a {\"run_start\"} event")
+    speculation.add_flags(p)
     return one_line_errors(group_help(p, HELP_GROUPS))
 
 
@@ -191,8 +200,6 @@ def resolve(args):
          "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
         (abs(args.seed) < SEED_LIMIT,
          f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
-        (os.path.isdir(args.ckpt),
-         f"--ckpt {args.ckpt}: no such directory"),
         (not args.prompts or args.output,
          "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts,
@@ -212,6 +219,7 @@ def resolve(args):
     for ok, msg in checks:
         if not ok:
             raise UsageError(msg)
+    check_ckpt_dir(args.ckpt)
     if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
@@ -220,7 +228,16 @@ def resolve(args):
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
-    check_common(args, needs_disk=args.offload == "disk")
+    check_common(args, needs_disk=False)
+    if args.offload == "disk":
+        try:
+            check_offload_dir(args)
+        except UsageError as e:
+            if not (args.fallback_cpu_budget or args.fallback_context):
+                raise
+            why = ("the fallbacks take over a disk tier that fails once a task is running, not "
+                   "one unusable from the start: for that, --offload cpu")
+            raise UsageError(f"{e} ({why})") from None
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots,
@@ -252,12 +269,83 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
     return min(asked or cap - n_prompt, cap - n_prompt)
 
 
+def check_host_budget(args, cfg, model_args, positions, layout):
+    """A --cpu-budget too small for the one task's host tier (--offload cpu), refused before the
+    model loads, as the store would refuse it once made (a replica's ranks hold slices: the store
+    alone judges those)."""
+    if cfg.cpu_budget_gib is None or layout.tp > 1:
+        return
+    C = min(args.chunk_size, positions)  # as run_task cuts it
+    slot = round_up(kv_chunk_bytes(model_args, DTYPES[args.dtype], args.kv_dtype, C), ALIGN)
+    plan = plan_tiers(positions, C, cfg.window, model_args.n_layers, cfg.mode,
+                      int(cfg.cpu_budget_gib * 2**30) // slot)
+    refusal = host_budget_refusal(plan, cfg.cpu_budget_gib, slot)
+    if refusal:
+        raise UsageError(refusal)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    args.at = None         # (phase, position, prompt tokens) of the lone task's last step
+    args.started = set()   # ids of the tasks begun
+    # signal handlers belong to the main thread; called from another, Ctrl-C stays the caller's
+    here = threading.current_thread() is threading.main_thread()
+    previous = None
+    if here:
+        previous = signal.signal(signal.SIGINT, stop_once)
     try:
         return generate_main(args)
+    except KeyboardInterrupt:
+        print_interrupted(args)
+        return 130
     finally:
         remove_created_offload_dir(args)
+        if here:
+            signal.signal(signal.SIGINT, previous)
+
+
+def stop_once(signum, frame):
+    """Ctrl-C: stop where the run is; a second one cannot cut short the cleanup that follows (the
+    task directories it keeps, the threads it joins)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def print_interrupted(args):
+    """The one line a Ctrl-C ends a run with: what it kept, where, and how to go on or remove it.
+    Said by the first process only (under torchrun every rank gets the signal)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    disk = getattr(args, "offload", None) == "disk"
+    dirs = [os.path.join(args.offload_dir, safe_task_name(t)) for t in sorted(args.started)]
+    kept = [d for d in dirs if disk and os.path.isdir(d)]
+    # the disk blocks they hold (the tier's files are reserved up front, then filled)
+    size = sum(os.lstat(os.path.join(top, f)).st_blocks * 512
+               for d in kept for top, _, files in os.walk(d) for f in files)
+    vouched = all(os.path.isfile(os.path.join(d, "manifest.json")) for d in kept)
+    if args.prompts:
+        done = 0
+        if args.output and os.path.isfile(args.output):
+            with open(args.output, "rb") as f:
+                done = sum(1 for _ in f)
+        said = f"generate.py: interrupted; {done} results are in {args.output} (a rerun skips them)"
+        what = f"{len(kept)} unfinished tasks kept their disk tiers"
+    else:
+        said = "generate.py: interrupted before the first step"
+        if args.at:
+            phase, position, n_prompt = args.at
+            said = (f"generate.py: interrupted at prefill {position} of {n_prompt} prompt tokens"
+                    if phase == "prefill" else
+                    f"generate.py: interrupted while decoding, at position {position}")
+        what = "the task kept its disk tier"
+    if not kept:
+        why = "" if disk else " (only --offload disk keeps a task to resume)"
+        print_err(f"{said}; nothing was kept{why}")
+        return
+    resume = "resume" if vouched else "start over (no chunk was vouched for yet)"
+    print_err(f"{said}; {what} ({size / 2**20:.1f} MiB) in {args.offload_dir}: run the same "
+              f"command again to {resume}, or remove {'it' if len(kept) == 1 else 'them'} "
+              f"(rm -r {' '.join(kept)})")
 
 
 def generate_main(args):
@@ -280,6 +368,7 @@ def generate_main(args):
 
         model_args = read_model_args(args.ckpt, args)
         check_shapes(args, model_args)
+        speculation.check(args, model_args, batch=args.batch_size not in (None, 1))
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer.model or tokenizer.json, so "
@@ -287,9 +376,14 @@ def generate_main(args):
         if args.chat:
             # a checkpoint without one is refused before any weight is loaded
             tokenizer.chat_template()
+        if args.prompts and not holds_lines(args.prompts):
+            launch.refuse(f"generate.py: --prompts {args.prompts} holds no task (every line is "
+                          "blank); nothing to run", layout)
+            return 0
         if not args.prompts:  # check the prompt before loading any weight
             prompt_ids = tokenizer.prompt_ids({"prompt": text}, args.chat, args.system)
-            plan_lengths(args, len(prompt_ids), model_args)
+            max_new = plan_lengths(args, len(prompt_ids), model_args)
+            check_host_budget(args, cfg, model_args, len(prompt_ids) + max_new, layout)
         kv_store = open_kv_store(args, log)
         monitor = Monitor(args.trace if speak else None, log=log)
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
@@ -297,7 +391,10 @@ def generate_main(args):
         # a batch's tasks in flight share the model's forward passes (batcher.py); the ranks of a
         # tensor-parallel replica step together, one task at a time
         if args.batch_size is None:
-            args.batch_size = DEFAULT_BATCH_SIZE if args.prompts and layout.tp == 1 else 1
+            batched = args.prompts and layout.tp == 1 and args.speculate_k is None
+            args.batch_size = DEFAULT_BATCH_SIZE if batched else 1
+        draft = speculation.load_draft(args, args.device, DTYPES[args.dtype])
+        guesser = speculation.factory(args, draft)
         set_threads(args, watch, log)  # other processes' load measured while the model loaded
         batcher = Batcher(model) if args.batch_size > 1 else None
         if args.rope_scaling and layout.rank == 0:
@@ -319,6 +416,7 @@ def generate_main(args):
             "rope_override": bool(args.rope_scaling),
             "tp": layout.tp, "replicas": layout.n_replicas,
             **{field: getattr(cfg, field) for field in SELECT_FIELDS},
+            "speculate": args.speculate or (args.draft and f"draft:{args.speculate_k}"),
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
         launch.refuse(f"generate.py: error: {e}", layout)
@@ -338,13 +436,17 @@ def generate_main(args):
         sampling = Sampling(task.get("temperature", args.temperature), args.top_k, args.top_p,
                             task.get("seed", args.seed))
         monitor.task_started(task["id"], len(ids))
+        args.started.add(task["id"])
         new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg,
                               sampling=sampling, eos_ids=tokenizer.eos_ids, task_id=task["id"],
                               on_token=on_token, on_step=on_step, fingerprint=fingerprint,
                               log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
-                              layout=layout, batcher=batcher)
+                              layout=layout, batcher=batcher, speculation=guesser)
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
+        positions = len(ids) + len(new)
+        monitor.selection_read_everything(task["id"], stats, cfg, positions,
+                                          min(args.chunk_size, positions))
         if cfg.mode != "none":
             monitor.context_stayed_on_device(task["id"], stats, len(ids) + len(new),
                                              args.chunk_size, cfg.window, model_args.n_layers)
@@ -358,7 +460,12 @@ def generate_main(args):
         result["stats"] = {**stats, "ranks": ranks} if layout.tp > 1 and ranks else stats
         return result
 
+    stop = threading.Event()  # a batch's Ctrl-C: its tasks in flight stop at their next step
+
     def step(task_id, phase, cache, n_prompt, progress):
+        if stop.is_set():
+            raise Interrupted  # in a task's thread; its directory is kept, as for any failure
+        args.at = (phase, cache.length, n_prompt)
         monitor.step(task_id, phase, cache)
         if progress is not None and phase == "prefill":
             progress.update(cache.length, n_prompt)
@@ -366,7 +473,7 @@ def generate_main(args):
     try:
         if args.prompts:
             try:
-                rc = run_batch(args, cfg, monitor, run_one, layout, batcher)
+                rc = run_batch(args, cfg, monitor, run_one, layout, batcher, stop)
             except ValueError as e:
                 log(f"generate.py: error: {e}")
                 return 2
@@ -403,16 +510,21 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
         result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
                          progress=progress)
     except TaskDirError as e:  # its directory cannot be used: refused before any work
-        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        print_err(f"generate.py: error: {e}")
         return 2
     except (UsageError, OffloadError, OSError) as e:
-        print(f"\ngenerate.py: error: {e}", file=sys.stderr)
+        print_err(f"generate.py: error: {e}")
         return 1
     finally:
         progress.close()
         monitor.close()
+        if printed[0] or (show_text and args.echo):
+            print(flush=True)  # the text streamed so far ends its line; stderr's sentence its own
+    if speak and args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    elif speak and not (printed[0] or args.echo):
+        print()
     if speak:
-        print(json.dumps(result, ensure_ascii=False) if args.json else "")
         stats_line = progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"]))
         print(stats_line, file=sys.stderr)
     return 0

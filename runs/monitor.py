@@ -114,6 +114,12 @@ def progress_line(stats, n_prompt, n_new):
         f"storage I/O read {fmt_bytes(io['storage_read'])} "
         f"write {fmt_bytes(io['storage_write'])}",
     ]
+    spec = stats.get("speculation")
+    if spec:  # speculate.summary
+        parts.append(f"{spec['speculate']}: {spec['guesses_kept']} of {spec['guesses_proposed']} "
+                     f"guesses kept, {spec['tokens_per_step']:.2f} tok/step, KV "
+                     f"{fmt_bytes(spec['kv_bytes_per_token'])}/tok, guessing "
+                     f"{spec['draft_s']:.2f}s")
     if stats.get("resumed_from"):
         parts.append(f"resumed from position {stats['resumed_from']}")
     return " | ".join(parts)
@@ -247,6 +253,22 @@ class Monitor:
                      f"(--window {window}), so nothing left the device; lower --window or "
                      "--chunk-size to offload")
 
+    def selection_read_everything(self, task, stats, cfg, positions, chunk_size):
+        """A --select configured, yet every decode step read every sealed chunk (its budget, with
+        the first chunk and the window, covers the context): the output is exact attention's. Said
+        once, with the fix, as context_stayed_on_device says it of offload."""
+        if cfg.select == "all" or not stats["decoded_tokens"] or stats["bytes"]["select_skipped"]:
+            return
+        sealed = (positions - 1) // chunk_size  # per layer, at the last decode step
+        budget = (f"the budget of {cfg.select_budget} tokens, the first chunk and the window "
+                  f"(--window {cfg.window})" if cfg.select_budget else
+                  f"the first chunk and the window (--window {cfg.window})")
+        fix = "--select-budget" if cfg.select_budget else "--window"
+        self.log(f"task {task}: --select {cfg.select} read every sealed chunk at every decode "
+                 f"step: {budget} cover all {sealed} sealed chunks of {chunk_size} positions per "
+                 f"layer, so the output is --select all's; lower {fix} or --chunk-size for it to "
+                 "select")
+
     def task_finished(self, task, stats=None, error=None):
         with self.lock:
             t = self.totals
@@ -267,23 +289,27 @@ class Monitor:
             for k, v in stats["bytes"].items():
                 t["bytes"][k] = t["bytes"].get(k, 0) + v
 
-    def summary(self, totals=None):
-        """The closing lines of a batch: this process's totals,
-        or the `totals` given (a whole torchrun batch)."""
+    def summary(self, totals=None, failures=True):
+        """The closing lines of a batch: this process's totals, or the `totals` given (a whole
+        torchrun batch); failures: with a FAILED line for each (a replica's own summary leaves
+        them to the whole batch's, so that each is said once)."""
         t = totals or self.totals
         rate = ""
         if t.get("wall_s"):
-            rate = (f", {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's "
+            rate = (f" at {t['new_tokens'] / t['wall_s']:.1f} tok/s over the batch's "
                     f"{t['wall_s']:.1f}s")
+        # the tasks in flight decode at once: their times add up to more than the batch's
         lines = [f"tasks: {t['done']} done, {len(t['failed'])} failed, {t['resumed']} resumed",
-                 f"decode: {t['new_tokens']} tokens in {t['decode_s']:.1f}s of decoding{rate}",
+                 f"decode: {t['new_tokens']} tokens{rate}; the tasks' decode times, added up: "
+                 f"{t['decode_s']:.1f}s",
                  f"peak: device {gib(t['peak_device'])}, host rss {gib(t['peak_rss'])}",
-                 "bytes: " + ", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())]
+                 "bytes: " + (", ".join(f"{k} {gib(v)}" for k, v in t["bytes"].items())
+                              or "none moved (no task ran)")]
         if t.get("batched_steps"):
             per_step = t["batched_rows"] / t["batched_steps"]
             lines.append(f"batched: {t['batched_steps']} decode steps shared by {per_step:.1f} "
                          "tasks on average")
-        lines += [f"FAILED {task}: {err}" for task, err in t["failed"]]
+        lines += [f"FAILED {task}: {err}" for task, err in t["failed"] if failures]
         return "\n".join(lines)
 
     def close(self):

@@ -19,9 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import verify
 from checkpoint import CheckpointError
+from generate import Sampling
 from offload import OffloadConfig
 from pools import OffloadError
-from runs import launch
+from runs import launch, speculation
 from runs.batcher import Batcher
 from runs.cores import one_thread_here
 from runs.flags import (
@@ -30,9 +31,11 @@ from runs.flags import (
     MODE_SPECS,
     UsageError,
     add_common_flags,
+    check_ckpt_dir,
     check_common,
     one_line_errors,
     open_kv_store,
+    print_err,
     quantize_mode,
     read_model_args,
     remove_created_offload_dir,
@@ -47,6 +50,7 @@ from runs.tp import agree_min, broadcast_token
 from tokenizer import load_tokenizer
 
 OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
+SAMPLED_T = 0.8  # --speculate's sampled proof: a temperature that keeps some guesses
 ALIAS = "alias: python verify.py --diagnose ... runs python doctor.py ..."
 
 
@@ -101,6 +105,23 @@ def run_batched(model, prompts, mode, args):
     return runs, batcher.widest
 
 
+def speculated(model, ids, args, cfgs, guesser, runs, diffs):
+    """Every mode again with guesses checked in verify steps, greedy against --offload none and
+    sampled against --offload none sampled the same way: ids and every logit equal."""
+    n = len(ids) + args.max_new_tokens
+    chunk = min(args.chunk_size, n)
+    sampled = Sampling(temperature=SAMPLED_T, seed=0)
+    runs["sampled"] = verify.run_mode(model, ids, args.max_new_tokens, args.chunk_size,
+                                      cfgs["none"], args.kv_dtype, sampling=sampled)
+    diffs["sampled"] = None
+    for m, cfg in cfgs.items():
+        for name, s, reference in ((f"{m}+spec", Sampling(), "none"),
+                                   (f"{m}+spec sampled", sampled, "sampled")):
+            runs[name] = verify.run_mode(model, ids, args.max_new_tokens, args.chunk_size, cfg,
+                                         args.kv_dtype, sampling=s, speculator=guesser(chunk, n))
+            diffs[name] = verify.compare(runs[reference], runs[name])
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="verify.py", description=verify.__doc__, epilog=ALIAS,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,12 +134,14 @@ def build_parser():
     p.add_argument("--modes", default="cpu,disk,disk+zstd",
                    help=f"comma list of {OFFLOAD_MODES} (default all)")
     p.add_argument("--max-prompt-tokens", type=int, default=2048,
-                   help="truncate the prompt to this many tokens")
+                   help="verify at most the first this many tokens of the prompt (default "
+                   "%(default)s; a longer --prompt-file is cut, and said so)")
     p.add_argument("--batch", type=int, metavar="N",
                    help="also run N prompts of different lengths as one batch of tasks in flight "
                    "(their decode steps shared) in every mode: each task must be bit-identical to "
                    "itself run alone with --offload none")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    speculation.add_flags(p)  # also every mode with guesses checked, greedy and sampled
     return p
 
 
@@ -147,10 +170,10 @@ def run(args):
             raise UsageError("--batch N needs N >= 2 tasks, and one process per model (no --tp "
                              "above 1)")
         check_common(args, needs_disk=any(MODE_SPECS[m][0] == "disk" for m in modes))
-        if not os.path.isdir(args.ckpt):
-            raise UsageError(f"--ckpt {args.ckpt}: no such directory")
+        check_ckpt_dir(args.ckpt)
         set_threads(args)  # cores.py: the cores this run may use
         model_args = read_model_args(args.ckpt, args)
+        speculation.check(args, model_args, batch=bool(args.batch))
         kv_store = open_kv_store(args)
         tokenizer = load_tokenizer(args.ckpt)
         if tokenizer is None:
@@ -164,7 +187,14 @@ def run(args):
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
         room = model_args.max_context - args.max_new_tokens
-        ids = tokenizer.encode(text)[:min(args.max_prompt_tokens, room)]
+        whole = tokenizer.encode(text)
+        ids = whole[:min(args.max_prompt_tokens, room)]
+        if args.prompt_file and len(ids) < len(whole) and layout.rank == 0:
+            why = (f"--max-prompt-tokens {args.max_prompt_tokens}; raise it to verify more"
+                   if args.max_prompt_tokens <= room else
+                   f"the model's context of {model_args.max_context} less --max-new-tokens")
+            print_err(f"verify.py: --prompt-file {args.prompt_file} holds {len(whole)} tokens; "
+                      f"verifying its first {len(ids)} ({why})")
         if len(ids) < 1:
             raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
                              "model's context")
@@ -182,6 +212,10 @@ def run(args):
         cfgs = {m: mode_config(m, args) for m in ["none"] + modes}
         runs, diffs = verify.prove(model, ids, args.max_new_tokens, args.chunk_size, cfgs,
                                    args.kv_dtype, share)
+        guesser = speculation.factory(args, speculation.load_draft(args, args.device,
+                                                                   DTYPES[args.dtype]))
+        if guesser:
+            speculated(model, ids, args, cfgs, guesser, runs, diffs)
         # the first run stores what the store lacks, the second must reuse it: both against none
         if kv_store:
             fp = run_fingerprint(args.ckpt, args)
@@ -210,7 +244,8 @@ def run(args):
                      "tokens": len(new), "chunks": st["chunks"], "bytes": st["bytes"],
                      "decode_tokens_per_s": st["decode_tokens_per_s"],
                      "chunks_read_per_decode_step": st["chunks_read_per_decode_step"],
-                     "reused_tokens": st.get("reused_tokens", 0)}
+                     "reused_tokens": st.get("reused_tokens", 0),
+                     "speculation": st.get("speculation")}
     for m, (task_diffs, widest) in batched.items():
         # steps shared, every task its own bits
         ok &= all(d is None for d in task_diffs) and widest > 1
@@ -258,18 +293,25 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
         print(f"--select {args.select} (budget {args.select_budget} tokens): "
               f"{none['chunks_read_per_decode_step']:g} sealed chunks read per decode step, "
               f"{skipped / 2**20:.1f} MiB left unread over the run")
-    print(f"{'mode':<10} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} "
+    print(f"{'mode':<24} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} "
           f"{'disk tier read':>14} {'decode tok/s':>13} {'reused':>7}")
     for m, r in report.items():
         c = r["chunks"]
         b = r["bytes"]
         if m == "none":
             verdict = "reference"
+        elif m == "sampled":
+            verdict = f"reference, T={SAMPLED_T}"
         else:
             verdict = "bit-identical" if r["bit_identical"] else "DIFFERENT"
         read = fmt_bytes(b["disk_read"] + b["disk_mapped_read"])
-        print(f"{m:<10} {verdict:<20} {c['device']:>5}/{c['host']:>5}/{c['disk']:>5}{'':<5} "
+        print(f"{m:<24} {verdict:<20} {c['device']:>5}/{c['host']:>5}/{c['disk']:>5}{'':<5} "
               f"{read:>14} {r['decode_tokens_per_s']:>13.1f} {r['reused_tokens']:>7}")
+        spec = r["speculation"]
+        if spec:
+            print(f"{'':<24} {spec['speculate']}: {spec['guesses_kept']} of "
+                  f"{spec['guesses_proposed']} guesses kept, {spec['tokens_per_step']:.2f} tokens "
+                  f"per verify step")
     if args.select != "all":
         why = f"(--select {args.select} reads a selection; the unchunked model reads all)"
     elif args.kv_dtype != "auto":

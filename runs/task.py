@@ -10,9 +10,10 @@ from contextlib import nullcontext
 
 import torch
 
+import speculate
 from generate import Sampling, generate
 from kvcache import make_cache
-from offload import SELECT_FIELDS
+from policy import SELECT_FIELDS
 from pools import on_cuda
 from quantize import weight_bytes
 from runs.cores import compute_threads
@@ -66,7 +67,7 @@ def cpu_threads(device):
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
              eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
-             kv_store=None, layout=None, kv_dtype="auto", batcher=None):
+             kv_store=None, layout=None, kv_dtype="auto", batcher=None, speculation=None):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
     everything measured.
 
@@ -81,7 +82,9 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     the fingerprint (see PromptCache). Under tensor parallelism (layout, see tp.py) each rank keeps
     its own store in task_<id>/rank<r>/, the ranks resume together from the shortest prefix they all
     vouch for, and rank 0's sampled token is everyone's. batcher (a batcher.Batcher): this task is
-    one of a batch whose decode steps run as one forward pass, its output unchanged."""
+    one of a batch whose decode steps run as one forward pass, its output unchanged.
+    speculation(chunk_size, max_length): this task's guesser (speculate.Lookup, speculate.Draft),
+    whose verify steps leave the output unchanged; its statistics join the task's."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
@@ -176,10 +179,13 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                     prompt_cache.store_sealed(cache)
                 if on_step:
                     on_step(phase, logits, cache)
+            speculator = None
+            if speculation is not None:
+                speculator = speculation(chunk_size, len(prompt_ids) + max_new_tokens)
             new, stats = timed_generate(model, cache, prompt_ids, max_new_tokens,
                                         sampling=sampling, eos_ids=eos_ids, out=out,
                                         on_token=on_token, on_step=step, stream=stream,
-                                        layout=layout, batcher=batcher)
+                                        layout=layout, batcher=batcher, speculator=speculator)
             if prompt_cache:
                 stats.update(prompt_cache.finish())
                 # reading the stored chunks comes before the first token too
@@ -199,7 +205,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
 
 
 def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_ids, out, on_token,
-                   on_step, stream, layout=None, batcher=None):
+                   on_step, stream, layout=None, batcher=None, speculator=None):
     """generate() with the clock, memory and bytes measured at every step. `out` holds the replayed
     tokens on entry and the tokens so far as they come; stream is this task's CUDA stream
     (None on CPU)."""
@@ -237,8 +243,11 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
         share = functools.partial(broadcast_token, layout=layout)
     ids = torch.tensor([prompt_ids], dtype=torch.long, device=cache.store.device)
     try:
-        new = generate(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, timed_step,
-                       replay=replayed, share=share, step=batcher.step if batcher else None)
+        run = generate
+        if speculator is not None:  # the same tokens, checked several at a time
+            run = functools.partial(speculate.generate, speculator=speculator)
+        new = run(model, cache, ids, max_new_tokens, sampling, eos_ids, token_cb, timed_step,
+                  replay=replayed, share=share, step=batcher.step if batcher else None)
     finally:
         if batcher:
             batcher.leave(cache)  # the batch's other tasks stop waiting for this one
@@ -274,6 +283,7 @@ def timed_generate(model, cache, prompt_ids, max_new_tokens, *, sampling, eos_id
         "bytes": snap["bytes"],
         "io": {k: io_end[k] - io_start[k] for k in io_end},
         "chunks": snap["chunks"],
+        **({"speculation": speculate.summary(speculator.stats)} if speculator else {}),
     }
 
 

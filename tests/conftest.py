@@ -2,6 +2,7 @@ import faulthandler
 import os
 import signal
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -54,6 +55,21 @@ def digest_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME")
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_tmpdir(tmp_path_factory):
+    """What the tests, and the processes they start, put in a temporary directory (mkdtemp's,
+    torchrun's torchelastic_* logs) goes to a directory of the session's, never /tmp itself: the
+    suite leaves nothing there but pytest's own."""
+    before, before_dir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp_path_factory.mktemp("tmpdir"))
+    yield os.environ["TMPDIR"]
+    tempfile.tempdir = before_dir
+    if before is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -728,7 +728,24 @@ def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):
     assert phases == ["prefill"] * prefill_steps + ["decode"] * decode_steps
     assert sum(e["bytes"]["disk_write"] for e in events[1:]) == st["bytes"]["disk_write"]
     assert "tasks: 1 done, 0 failed, 0 resumed" in err, err
-    assert f"decode: {len(r['tokens']) - 1} tokens" in err, err
+    decode = next(line for line in err.splitlines() if line.startswith("decode: "))
+    assert re.fullmatch(rf"decode: {len(r['tokens']) - 1} tokens at [\d.]+ tok/s over the batch's "
+                        r"[\d.]+s; the tasks' decode times, added up: [\d.]+s", decode), decode
+    # the same command again: every task is skipped, and the summary says nothing moved
+    rc, err = run_main(argv, capsys)
+    assert rc == 0 and "1 of 1 tasks already in" in err, err
+    assert "bytes: none moved (no task ran)" in err.splitlines(), err
+
+
+def test_an_empty_prompts_file_says_so_in_one_line(text_ckpt, tmp_path, capsys):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n  \n")
+    output = tmp_path / "results.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK), capsys)
+    assert rc == 0
+    assert err.strip().splitlines() == [f"generate.py: --prompts {tasks} holds no task (every "
+                                        "line is blank); nothing to run"], err
+    assert not output.exists()
 
 
 # -----------------------------------------------------------------------------
@@ -776,3 +793,21 @@ def test_unusable_paths_give_one_line_and_exit_2(text_ckpt, tmp_path, capsys, pr
     lines = err.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and "Traceback" not in err, err
     assert not output.exists()
+
+
+def test_an_unusable_offload_dir_is_refused_at_the_start_fallback_or_not(text_ckpt, tmp_path,
+                                                                        capsys):
+    """The fallbacks cover a disk tier that fails once a task runs (docs/batches.md); an
+    --offload-dir unusable from the start is refused before any work, and with a fallback given the
+    line says why it did not apply."""
+    (tmp_path / "file").write_text("not a directory")
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
+    output = tmp_path / "results.jsonl"
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "file" / "sub", *DISK,
+                      "--fallback-cpu-budget", 1)
+    rc, err = run_main(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and not output.exists(), err
+    said = ("(the fallbacks take over a disk tier that fails once a task is running, not one "
+            "unusable from the start: for that, --offload cpu)")
+    assert "--offload-dir" in lines[0] and said in lines[0], lines

@@ -122,8 +122,17 @@ def test_help_is_grouped_and_opens_with_what_it_does():
 
 
 def test_verify_passes_and_reports(text_ckpt, tmp_path):
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT * 20)
+    whole = len(load_tokenizer(text_ckpt).encode(doc.read_text()))
+    assert whole > 200
     out = run_script("verify.py", "--ckpt", text_ckpt, "--max-new-tokens", 8, "--chunk-size", 16,
-                     "--window", 1, "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json")
+                     "--window", 1, "--max-prompt-tokens", 200, "--offload-dir", tmp_path, "--json",
+                     "--prompt-file", doc)
+    # the cut is said, with the flag that makes it
+    assert f"verify.py: --prompt-file {doc} holds {whole} tokens; verifying its first 200 " \
+        "(--max-prompt-tokens 200; raise it to verify more)" in out.stderr.splitlines(), out.stderr
+    assert "(default 2048;" in " ".join(proofs.build_parser().format_help().split())
     r = json.loads(out.stdout)
     assert r["ok"] and r["unchunked"]["greedy_ids_equal"]
     assert r["unchunked"]["max_abs_logit_diff"] < 1e-4
@@ -296,3 +305,48 @@ def test_bad_checkpoint_and_files(tmp_path, text_ckpt):
     assert_one_line_error(p, "--compress")
     p = run_script("verify.py", "--ckpt", text_ckpt, "--modes", "cpu,tape", ok=False)
     assert_one_line_error(p, "--modes")
+
+
+def test_refused_before_loading_a_ckpt_file_and_a_host_budget_too_small(text_ckpt, monkeypatch,
+                                                                      capsys):
+    """--ckpt naming config.json says it is a file; a --cpu-budget that cannot hold what
+    --offload cpu offloads (plan_tiers knows it from the lengths) is exit 2 before any weight is
+    read, with the store's sentence and no blank line."""
+    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 4, "--offload", "cpu", "--chunk-size", 8,
+            "--window", 1, "--max-new-tokens", 2]
+    rc, out, err = main_in_process(argv + ["--cpu-budget", "1", "--json"], capsys)
+    assert rc == 0, err
+    offloaded = json.loads(out)["stats"]["chunks"]["host"]  # what the store placed, room for all
+
+    def no_load(*args, **kw):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(generate_cli.launch, "load", no_load)
+    rc, out, err = main_in_process(argv + ["--cpu-budget", "1e-6"], capsys)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith(f"generate.py: error: --cpu-budget 1e-06 GiB holds 0 of the {offloaded} "
+                          "chunks this task offloads"), err
+    config = os.path.join(text_ckpt, "config.json")
+    rc, out, err = main_in_process(["--ckpt", config, "--prompt", PROMPT], capsys)
+    assert rc == 2 and err.splitlines() == [
+        f"generate.py: error: --ckpt {config}: is a file; give the checkpoint's directory, the "
+        f"one holding config.json ({text_ckpt})"], err
+
+
+def test_a_selection_that_reads_everything_says_so_once(text_ckpt, tmp_path, capsys):
+    """--select quest whose budget, with the first chunk and the window, covers every sealed chunk
+    changes nothing: one line says so, and the output is indeed --select all's; a budget that
+    leaves chunks out says nothing."""
+    argv = ["--ckpt", text_ckpt, "--prompt", TEXT * 6, "--chunk-size", 16, "--window", 1,
+            "--max-new-tokens", 4, "--json"]
+    rc, out, err = main_in_process(argv, capsys)
+    assert rc == 0 and "--select" not in err, err
+    exact = json.loads(out)["tokens"]
+    rc, out, err = main_in_process(argv + ["--select", "quest", "--select-budget", 4096], capsys)
+    assert rc == 0, err
+    said = [line for line in err.splitlines() if "--select quest" in line]
+    assert len(said) == 1 and "read every sealed chunk" in said[0], err
+    assert "so the output is --select all's; lower --select-budget" in said[0], said
+    assert json.loads(out)["tokens"] == exact
+    rc, out, err = main_in_process(argv + ["--select", "quest", "--select-budget", 16], capsys)
+    assert rc == 0 and "--select quest" not in err, err
+    assert json.loads(out)["stats"]["bytes"]["select_skipped"] > 0

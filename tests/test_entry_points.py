@@ -76,7 +76,7 @@ def test_an_alias_shows_the_tools_own_help():
     (bench.main, ["--probe-mib", "8"], "--probe-mib"),  # the probe's flag, not bench.py's
 ])
 def test_bad_input_is_one_line_and_exit_2(main, argv, needle, capsys):
-    prog = main.__module__.split(".")[-1] + ".py"  # measure.tune -> tune.py: the command
+    prog = main.__module__.rsplit(".", 1)[-1] + ".py"  # measure.tune -> tune.py
     try:
         rc = main(["--device", "cpu", *argv])
     except SystemExit as e:  # argparse's own errors

@@ -6,6 +6,7 @@ the most of each.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,17 +18,19 @@ from runs import generate_cli
 from test_cli import TEXT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# os.environ when called: conftest points TMPDIR at the session's own directory
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 
 
 def torchrun(script, *args, n=2, wait=True, **kw):
     """script under torchrun with n processes: its CompletedProcess (wait=False: its Popen)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            os.path.join(ROOT, script), *map(str, args)]
+    env = {**os.environ, **ENV}
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           **kw)
 
 
@@ -91,8 +94,12 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
     one = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     ref = {r["id"]: r["tokens"] for r in one}
 
+    # and a bad line, which every replica reads: it must be counted and printed once
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(tasks.read_text() + '{"id": "broken", "prompt": \n')
     out = tmp_path / "two.jsonl"
-    argv = flags + ["--output", out, "--offload-dir", tmp_path / "off2", "--tp", 1]
+    argv = [bad if a == tasks else a for a in flags]
+    argv += ["--output", out, "--offload-dir", tmp_path / "off2", "--tp", 1]
     p = torchrun("generate.py", *argv, wait=False)
     deadline = time.monotonic() + 240
     # kill a rank once some results are in
@@ -107,7 +114,12 @@ def test_data_parallel_batch_splits_resumes_and_matches_one_process(text_ckpt, t
     assert 2 <= len(first) < len(TASKS), "the kill must land mid-batch"
 
     again = torchrun("generate.py", *argv)
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 1, again.stderr  # the bad line failed; every task succeeded
+    said = again.stderr.splitlines()
+    assert sum(f"{bad} line 7: not valid JSON" in line for line in said) == 2, again.stderr
+    assert said.count(f"FAILED input: {bad} line 7: not valid JSON (Expecting value); "
+                      "skipped") == 1, again.stderr
+    assert re.search(r"^tasks: \d+ done, 1 failed", again.stderr, re.M), again.stderr
     got = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in got) == sorted(ref), "every id exactly once"
     assert {r["id"]: r["tokens"] for r in got} == ref

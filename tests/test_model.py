@@ -240,7 +240,12 @@ def test_unmodified_copy_loads(broken):
 
 
 @pytest.mark.parametrize("changes, names", [
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), ["GPT2LMHeadModel"]),
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+     ["unsupported architecture gpt2 GPT2LMHeadModel; supported: llama, mistral, qwen2"]),
+    # GPT-2's own fields (n_embd, not hidden_size; its BOS past our vocab): named as GPT-2 first
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", hidden_size=None,
+          intermediate_size=None, n_embd=64, n_layer=2, bos_token_id=50256),
+     ["unsupported architecture gpt2", "LlamaForCausalLM"]),
     (dict(rope_parameters={"rope_type": "mrope", "rope_theta": 10000.0, "factor": 4.0}),
      ["mrope", "rope"]),
     (dict(rope_parameters=None, rope_theta=10000.0,

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+from checkpoint import CheckpointError
 from ckpt import edit_config
 from model import Transformer
 from offload import OffloadConfig
@@ -46,6 +47,33 @@ def test_measuring_past_the_context_names_the_override(short_ckpt, tmp_path, cap
     assert module.main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "--rope-scaling" in lines[0] and f"{flag} 200" in lines[0], lines
+
+
+@pytest.mark.parametrize("script", ["probe", "tune"])
+def test_measuring_with_the_defaults_fits_any_model(short_ckpt, tmp_path, capsys, monkeypatch,
+                                                    script):
+    """probe.py and tune.py with their default contexts (up to 8192) on a 128-position model: the
+    defaults are cut to the model's context less --new-tokens, said once, and the run goes on to
+    load the model (stopped there: the measuring is tested elsewhere); a context given past the
+    model is refused naming a smaller one."""
+    module = importlib.import_module(f"measure.{script}")
+
+    def stop(*args, **kw):
+        raise CheckpointError("stopped at the load")
+    monkeypatch.setattr(module.Transformer, "from_pretrained", stop)
+    flag = "--context" if script == "tune" else "--contexts"
+    default = "8192" if script == "tune" else "1024,4096,8192"
+    argv = ["--ckpt", short_ckpt, "--new-tokens", "8", "--offload-dir", str(tmp_path / "off")]
+    capsys.readouterr()
+    assert module.main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"{flag} 120: the default {default} cut to the model's context of 128 "
+                     f"positions, less --new-tokens 8; give {flag} to choose",
+                     f"{script}.py: error: stopped at the load"], lines
+    assert module.main(argv + [flag, "121"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    said = f"{flag} 121 plus --new-tokens 8: at most 120 fit with them, so give a smaller {flag}; "
+    assert len(lines) == 1 and said in lines[0] and "--rope-scaling" in lines[0], lines
 
 
 @pytest.mark.parametrize("kind", ["linear", "yarn", "llama3"])

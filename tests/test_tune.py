@@ -6,6 +6,7 @@ fastest measured, or within 5%".
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -63,6 +64,14 @@ def test_tune_tiny_model_fits_budgets_and_its_command_runs(tmp_path):
         assert f"--cpu-budget {rec['cpu_budget']!r}" in last["command"]
         assert len(repr(rec["cpu_budget"])) <= 8 and rec["cpu_budget"] <= cpu_gib, rec
     assert "1. chunk size" in p.stdout and "4. prefetch" in p.stdout
+    # how long it takes, said up front and as it goes
+    said = p.stderr.splitlines()
+    up_front = [i for i, line in enumerate(said) if line.startswith("tuning: calibrate ")]
+    assert up_front and "twice, then measure up to" in said[up_front[0]], said
+    assert said[up_front[0] + 1].startswith("calibrating [1/"), said
+    assert any(line.startswith("calibrating [1/") and "s to go" in line for line in said), said
+    assert any(re.match(r"measuring \d+ configurations: about \d+s", line) for line in said), said
+    assert any(line.startswith("measure [1/") for line in said), said
     # the command runs as printed, with the python on PATH being this one
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     env = {**os.environ, "PATH": path}

@@ -1,0 +1,394 @@
+"""
+chat.py driven through a pseudo-terminal as a person drives it: type a question, read the answer
+off the screen, Ctrl-C in the middle of one, quit, kill, resume. The reference for every resumed
+turn is the same turn of a session that never stopped: the same tokens and the same logits (a
+SHA-256 of every step's logits, from the trace). The first answer is judged against generate()
+over the whole conversation rendered by the template at once.
+"""
+import io
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")
+# the demo's vocabulary has no chat tokens: <s> opens a message and </s> ends it, so every seam
+# between turns sits at a special token, as in ChatML or Llama 3's templates
+TEMPLATE = ("{% for m in messages %}{{ bos_token }}### {{ m.role }}:\n{{ m.content }}"
+            "{{ eos_token }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{{ bos_token }}### assistant:\n{% endif %}")
+# a few hundred tokens, so that the document fills sealed chunks and leaves an open one
+DOCUMENT = ("A module is a file containing Python definitions and statements. The file name is the "
+            "module name with the suffix .py appended. Within a module, the module's name is "
+            "available as the value of the global variable __name__. ") * 6
+FLAGS = ["--chunk-size", "32", "--max-new-tokens", "64", "--threads", "1", "--max-length", "1024"]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tmp_path_factory):
+    """The demo model with a chat template added."""
+    path = tmp_path_factory.mktemp("demo-chat")
+    for name in os.listdir(DEMO):
+        shutil.copy(os.path.join(DEMO, name), path / name)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    doc = path / "doc.txt"
+    doc.write_text(DOCUMENT)
+    return str(path)
+
+
+class Terminal:
+    """chat.py on a pseudo-terminal: what it prints is the screen; keys go to its input, Ctrl-C
+    as the terminal's interrupt character (a SIGINT from the line discipline)."""
+
+    def __init__(self, *argv):
+        env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: chat.py with the terminal as stdin, stdout and stderr
+            os.chdir(ROOT)
+            os.execve(sys.executable, [sys.executable, "chat.py", *argv], env)
+        self.screen = ""
+        self.seen = 0  # what expect() has matched so far
+        self.at_prompt = False
+
+    def expect(self, pattern, timeout=60):
+        """Read until pattern appears after what was matched last; returns the text up to it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.screen[self.seen:])
+            if m:
+                text = self.screen[self.seen:self.seen + m.end()]
+                self.seen += m.end()
+                return text
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} on the screen:\n{self.screen[-2000:]}"
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                try:
+                    data = os.read(self.fd, 4096)
+                except OSError:  # the child is gone
+                    data = b""
+                assert data, f"chat.py ended before {pattern!r}:\n{self.screen[-2000:]}"
+                self.screen += ANSI.sub("", data.decode(errors="replace").replace("\r", ""))
+
+    def type(self, text):
+        os.write(self.fd, text.encode())
+
+    def prompt(self):
+        """Wait for the '> ' that asks for the next line (at once if it is showing)."""
+        if not self.at_prompt:
+            self.expect(r"(^|\n)> $")
+        self.at_prompt = True
+
+    def ask(self, question):
+        """Type a question at the prompt; returns once the answer has begun on the screen."""
+        self.prompt()
+        self.type(question + "\n")
+        self.at_prompt = False
+        self.expect(re.escape(question) + r"\n")  # the terminal's echo
+        self.expect(r"\S")
+
+    def wait(self, timeout=60):
+        """The exit status, reading the screen meanwhile."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                try:
+                    self.screen += os.read(self.fd, 4096).decode(errors="replace")
+                except OSError:
+                    pass
+        os.kill(self.pid, signal.SIGKILL)
+        raise AssertionError(f"chat.py did not end:\n{self.screen[-2000:]}")
+
+    def kill(self):
+        os.kill(self.pid, signal.SIGKILL)
+        return self.wait()
+
+
+def turns(trace):
+    with open(trace) as f:
+        return [json.loads(line)["turn"] for line in f if '"turn"' in line]
+
+
+def chat_in_process(argv, lines):
+    """chat.py's main() in this process, its input the given lines: (exit code, stdout, stderr).
+    Cheaper than a terminal (no second torch to import), for the references and the refusals."""
+    from runs.chat_cli import main
+    old = sys.stdin, sys.stdout, sys.stderr
+    sys.stdin = io.StringIO("".join(line + "\n" for line in lines))
+    sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+    try:
+        rc = main(argv)
+        return rc, sys.stdout.getvalue(), sys.stderr.getvalue()
+    finally:
+        sys.stdin, sys.stdout, sys.stderr = old
+
+
+QUESTIONS = ["What is a module?", "And its name?"]
+TIERS = ["--offload", "disk", "--window", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_ckpt, tmp_path_factory):
+    """The turns of a session never stopped: the document on the disk tier behind a window of one
+    chunk, then QUESTIONS."""
+    tmp = tmp_path_factory.mktemp("reference")
+    rc, _, _ = chat_in_process(["--ckpt", chat_ckpt, *FLAGS, *TIERS, "--document",
+                                os.path.join(chat_ckpt, "doc.txt"), "--session", str(tmp / "s"),
+                                "--trace", str(tmp / "t.jsonl")], QUESTIONS)
+    assert rc == 0
+    return turns(tmp / "t.jsonl")
+
+
+def test_a_session_killed_stopped_and_resumed_gives_the_uninterrupted_tokens_and_logits(
+        chat_ckpt, tmp_path, reference):
+    """Through a terminal: a session killed in the middle of an answer, resumed, asked the next
+    question (the turn that was being answered is lost, nothing before it): the tokens and logits of
+    a session that was never stopped. Then Ctrl-C in the middle of an answer: the session goes on,
+    and a copy of it resumed later answers the next question as the session itself does."""
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    common = ["--ckpt", chat_ckpt, *FLAGS, *TIERS]
+    want = reference
+    assert len(want) == 2 and want[1]["question_tokens"] < 40  # the turn's own tokens only
+
+    s = str(tmp_path / "s")
+    t = Terminal(*common, "--document", doc, "--session", s)
+    t.ask("What is a module?")
+    t.ask("Say more, at length.")
+    t.kill()  # the answer has begun
+    t = Terminal(*common, "--session", s, "--trace", str(tmp_path / "b.jsonl"))
+    t.expect(r"1 turns")
+    t.ask("And its name?")
+    t.prompt()
+    got = turns(tmp_path / "b.jsonl")
+    assert got[0]["tokens"] == want[1]["tokens"]
+    assert got[0]["logits_sha256"] == want[1]["logits_sha256"]
+    # the resumed session recomputed nothing: the saved KV was put back as it was
+    assert got[0]["context"] == want[1]["context"] and "recomputing" not in t.screen
+
+    t.ask("Tell me everything.")
+    t.type("\x03")  # Ctrl-C, mid-answer
+    t.expect(r"\[stopped\]")
+    t.prompt()
+    # the session as the stop left it, copied while chat.py waits for the next question
+    shutil.copytree(s, tmp_path / "copy")
+    t.type("/bogus\n")
+    t.at_prompt = False
+    t.expect(r"/bogus is not a command")
+    t.ask("And then?")
+    t.prompt()
+    t.type("\x04")  # Ctrl-D ends the session
+    assert t.wait() == 0
+    a = turns(tmp_path / "b.jsonl")
+    assert a[1]["stopped"] and len(a[1]["tokens"]) < 64
+    rc, _, _ = chat_in_process([*common, "--session", str(tmp_path / "copy"), "--trace",
+                                str(tmp_path / "c.jsonl")], ["And then?"])
+    assert rc == 0
+    c = turns(tmp_path / "c.jsonl")
+    assert (c[0]["tokens"], c[0]["logits_sha256"]) == (a[2]["tokens"], a[2]["logits_sha256"])
+
+
+def session_argv(ckpt, path, trace=None, *more):
+    argv = ["--ckpt", ckpt, *FLAGS, "--session", str(path), *more]
+    return argv + (["--trace", str(trace)] if trace else [])
+
+
+def test_first_answer_is_what_the_whole_conversation_gives(chat_ckpt, tmp_path):
+    """The document prefilled apart, then the question's own tokens: the same ids as the template's
+    rendering of the whole conversation at once, and the same greedy answer as generate() over it
+    on a fresh cache."""
+    from generate import generate
+    from kvcache import make_cache
+    from model import Transformer
+    from offload import OffloadConfig
+    from tokenizer import Tokenizer
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    trace = tmp_path / "t.jsonl"
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, tmp_path / "s", trace, "--document", doc),
+                               ["What is a module?"])
+    assert rc == 0
+    tok = Tokenizer(chat_ckpt)
+    ids = tok.apply_chat_template([{"role": "system", "content": DOCUMENT},
+                                   {"role": "user", "content": "What is a module?"}])
+    with open(tmp_path / "s" / "session.json") as f:
+        saved = json.load(f)
+    assert saved["tokens"][:len(ids)] == ids
+    model = Transformer.from_pretrained(chat_ckpt)
+    cache = make_cache(model, OffloadConfig(), 32, 1024)
+    want = generate(model, cache, torch.tensor([ids]), 64, eos_ids=tok.eos_ids)
+    assert turns(trace)[0]["tokens"] == want
+
+
+def test_a_damaged_chunk_is_recomputed_to_the_same_bits(chat_ckpt, tmp_path, reference):
+    """A saved chunk that fails its CRC32 is computed again with the first run's schedule (the
+    document a chunk-aligned step at a time, the answer a token at a time): the next turn's
+    logits are still the uninterrupted session's."""
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    r = tmp_path / "r"
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, r, None, *TIERS, "--document", doc),
+                               QUESTIONS[:1])
+    assert rc == 0
+    # chunk 1 of the session that stopped after one turn loses a byte
+    path = r / "kv" / "g0-c1.kv"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 1
+    path.write_bytes(bytes(data))
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, r, tmp_path / "b.jsonl", *TIERS),
+                                 QUESTIONS[1:])
+    assert rc == 0 and "fails its checksum; recomputing the conversation from position 32" in err
+    b = turns(tmp_path / "b.jsonl")
+    assert (b[0]["tokens"], b[0]["logits_sha256"]) == (reference[1]["tokens"],
+                                                       reference[1]["logits_sha256"])
+
+
+def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path):
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    s = tmp_path / "s"
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, s, None, "--document", doc),
+                               ["What is a module?"])
+    assert rc == 0
+    saved = {p: p.read_bytes() for p in s.rglob("*") if p.is_file() and p.name != "lock"}
+    # private: the directories 700, every file 600
+    modes = {p.relative_to(s): p.stat().st_mode & 0o777 for p in [s, *s.rglob("*")]}
+    assert modes and all(m == (0o700 if (s / p).is_dir() else 0o600) for p, m in modes.items())
+    other = tmp_path / "other"  # the same shapes, other weights (config.json is fingerprinted)
+    shutil.copytree(chat_ckpt, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    for argv, needle in [
+        (session_argv(chat_ckpt, s) + ["--chunk-size", "16"], "--chunk-size 32 (this run: 16)"),
+        (session_argv(chat_ckpt, s) + ["--dtype", "bf16"], "--dtype fp32 (this run: bf16)"),
+        (session_argv(str(other), s), "other weights"),
+        (session_argv(chat_ckpt, s) + ["--document", os.path.join(other, "config.json")],
+         "drop --document"),
+        (session_argv(chat_ckpt, tmp_path / "new", None, "--document", doc, "--max-length", "100"),
+         "shorten the document"),
+    ]:
+        rc, out, err = chat_in_process(argv, [])
+        assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, (needle, err)
+    # a damaged manifest: refused, with what to do, and left as it was
+    m = s / "session.json"
+    text = m.read_text()
+    m.write_text(text.replace('"turns": 1', '"turns": 2'))
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s), [])
+    assert rc == 2 and "does not match its checksum" in err and "--remove" in err
+    m.write_text(text)
+    assert saved == {p: p.read_bytes() for p in s.rglob("*") if p.is_file() and p.name != "lock"}
+    # the context's end: the question is refused, the session goes on
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", "300"), [])
+    assert rc == 2 and "raise --max-length" in err
+    cap = str(len(json.loads(m.read_text())["tokens"]) + 20)
+    rc, out, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", cap),
+                                   ["a question far too long " * 20, "/stats"])
+    assert rc == 0 and f"of {cap} positions and this question needs" in err and "1 turns" in err
+    # listed, then removed
+    rc, out, _ = chat_in_process(["--list", str(tmp_path)], [])
+    assert rc == 0 and "s: 1 turns" in out
+    rc, _, _ = chat_in_process(["--remove", str(s)], [])
+    assert rc == 0 and not s.exists()
+    rc, _, err = chat_in_process(["--remove", str(other)], [])
+    assert rc == 2 and "not a session directory" in err and other.exists()
+
+
+def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, tmp_path):
+    """A template that drops earlier answers (as some drop past reasoning) does not extend the
+    conversation: said once, and the turn is computed from the start, never stitched."""
+    ckpt = tmp_path / "m"
+    shutil.copytree(chat_ckpt, ckpt)
+    (ckpt / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role != 'assistant' %}<s>### {{ m.role }}:\n"
+        "{{ m.content }}</s>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<s>### "
+        "assistant:\n{% endif %}")
+    trace = tmp_path / "t.jsonl"
+    rc, _, err = chat_in_process(session_argv(str(ckpt), tmp_path / "s", trace),
+                                 ["What is a module?", "And its name?"])
+    assert rc == 0 and err.count("does not render this conversation as an extension") == 1
+    t = turns(trace)
+    assert t[1]["context"] == t[1]["question_tokens"] + len(t[1]["tokens"]) - 1
+
+
+def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path):
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    store = ["--kv-store", str(tmp_path / "store")]
+    answers = []
+    for name, needle in (("a", "0 document tokens adopted, 288 stored"),
+                         ("b", "288 document tokens adopted, 0 stored")):
+        trace = tmp_path / f"{name}.jsonl"
+        rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / name, trace, "--document",
+                                                  doc, *store), ["What is a module?"])
+        assert rc == 0 and needle in err, err
+        answers.append((turns(trace)[0]["tokens"], turns(trace)[0]["logits_sha256"]))
+    assert answers[0] == answers[1]
+
+
+def test_dropping_the_oldest_turn_recomputes_the_rest_at_their_new_places(chat_ckpt, tmp_path,
+                                                                         ):
+    """/drop 1 after two turns: the document keeps its KV, the second turn is computed again right
+    after it, and the next answer is what generate() gives over that conversation rendered at
+    once."""
+    from generate import generate
+    from kvcache import make_cache
+    from model import Transformer
+    from offload import OffloadConfig
+    from tokenizer import Tokenizer
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    trace = tmp_path / "a.jsonl"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, tmp_path / "a", trace, "--document", doc),
+                                 ["What is a module?", "And its name?", "/drop 1", "/stats",
+                                  "Why?"])
+    assert rc == 0 and "1 turns kept" in err and "1 turns" in err
+    with open(tmp_path / "a" / "session.json") as f:
+        m = json.load(f)
+    assert [x["content"] for x in m["messages"][1::2]] == ["And its name?", "Why?"]
+    tok = Tokenizer(chat_ckpt)
+    ids = tok.apply_chat_template(m["messages"][:-1])
+    assert m["tokens"][:len(ids)] == ids
+    model = Transformer.from_pretrained(chat_ckpt)
+    want = generate(model, make_cache(model, OffloadConfig(), 32, 1024), torch.tensor([ids]), 64,
+                    eos_ids=tok.eos_ids)
+    assert turns(trace)[2]["tokens"] == want
+
+
+def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, monkeypatch,
+                                                          reference):
+    """The disk tier fails (ENOSPC) in the middle of the second answer: chat.py ends in one
+    sentence (exit 1), and the session resumed later answers that question as an uninterrupted
+    session does."""
+    import errno
+
+    from disk import DiskError
+    from offload import TieredStore
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    seal = TieredStore.seal
+
+    def full(self, j):  # chunk 12 seals at position 416, inside the second answer
+        if j >= 12:
+            raise DiskError(errno.ENOSPC, "No space left on device")
+        return seal(self, j)
+    monkeypatch.setattr(TieredStore, "seal", full)
+    s = tmp_path / "s"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, *TIERS, "--document", doc),
+                                 QUESTIONS)
+    last = err.strip().splitlines()[-1]
+    assert rc == 1 and "No space left" in last and "the turn in flight is dropped" in last
+    assert reference[0]["context"] < 384 < reference[1]["context"]  # the second turn's failure
+    monkeypatch.setattr(TieredStore, "seal", seal)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, tmp_path / "b.jsonl", *TIERS),
+                                 QUESTIONS[1:])
+    got = turns(tmp_path / "b.jsonl")
+    assert rc == 0 and (got[0]["tokens"], got[0]["logits_sha256"]) == (
+        reference[1]["tokens"], reference[1]["logits_sha256"])

@@ -1,0 +1,89 @@
+"""
+Ctrl-C as a user presses it: a real generate.py run on the demo model, SIGINT mid-prefill through
+the disk tier, must end with exit code 130 and one line on stderr (no traceback) that says what was
+kept and where; what it says must be true (the directory is there), and the same command again
+resumes from it and leaves no empty ./kv_cache_offload behind.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from runs import generate_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "assets", "tinyllama-pydoc")
+TEXT = ("A module is a file containing Python definitions and statements. The file name is the "
+        "module name with the suffix .py appended. ")
+# os.environ when called: conftest points TMPDIR at the session's own directory
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def interrupt_mid_prefill(argv, cwd, trace, position):
+    """Start generate.py, wait until its trace shows a prefill step past `position`, send SIGINT:
+    (exit code, stdout, stderr)."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), *argv,
+                          "--trace", trace], cwd=cwd, env={**os.environ, **ENV},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while True:
+        assert p.poll() is None, p.communicate()
+        assert time.monotonic() < deadline, "no prefill step within 60 s"
+        # every line but the last, which may be half written
+        lines = trace.read_text().splitlines()[:-1] if trace.exists() else []
+        events = [json.loads(line) for line in lines]
+        if any(e.get("phase") == "prefill" and e["position"] >= position for e in events):
+            break
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, out, err
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_ctrl_c_mid_prefill_is_one_line_and_the_kept_tier_resumes(tmp_path, batch, monkeypatch,
+                                                                  capsys):
+    # about 400 tokens in chunks of 16: the signal lands with most of the prefill still to go
+    flags = ["--ckpt", DEMO, "--offload", "disk", "--window", "1", "--chunk-size", "16",
+             "--max-new-tokens", "2", "--threads", "1"]
+    if batch:
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i} " + TEXT * 16}) + "\n"
+                                 for i in range(3)))
+        flags += ["--prompts", tasks, "--output", tmp_path / "out.jsonl", "--batch-size", "2"]
+    else:
+        flags += ["--prompt", TEXT * 16, "--json"]
+    flags = [str(f) for f in flags]
+    rc, out, err = interrupt_mid_prefill(flags, tmp_path, tmp_path / "trace.jsonl", 64)
+    assert rc == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    line = lines[0]
+    assert line.startswith("generate.py: interrupted") and "rm -r " in line, line
+    # what it says is true: the directories it names are there, with their manifests
+    kept = line.split("rm -r ")[1].rstrip(")").split()
+    assert kept and all(k.startswith("./kv_cache_offload/task_") for k in kept), line
+    for k in kept:
+        assert (tmp_path / k / "manifest.json").is_file(), (k, os.listdir(tmp_path / k))
+    if not batch:
+        assert "at prefill" in line and "to resume" in line, line
+    else:
+        assert "results are in" in line and "unfinished tasks kept" in line, line
+
+    # the same command again (in this process: the start of a process costs seconds)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert generate_cli.main(flags) == 0
+    again = capsys.readouterr()
+    if batch:
+        results = [json.loads(r) for r in (tmp_path / "out.jsonl").read_text().splitlines()]
+        assert sorted(r["id"] for r in results) == ["t0", "t1", "t2"]
+        assert any(r["stats"]["resumed_from"] > 0 for r in results), again.err
+    else:
+        assert json.loads(again.out)["stats"]["resumed_from"] > 0, again.out
+    # the rerun emptied the default directory an earlier run had made: it is gone
+    assert not (tmp_path / "kv_cache_offload").exists(), os.listdir(tmp_path / "kv_cache_offload")
