@@ -28,7 +28,7 @@ from checkpoint import (
     read_config,
 )
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
-from rowwise import linear
+from rowwise import linear, rows
 
 # -----------------------------------------------------------------------------
 # config
@@ -181,6 +181,10 @@ def sliding_mask(T, window, device):
     return (k <= q) & (q - k < window)
 
 
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
 def apply_rope(x, cos, sin):
     # x [B, heads, T, D]; cos, sin [B or 1, 1, T, D]. Rotate the two halves of D (the layout HF
     # checkpoints are stored in).
@@ -199,8 +203,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()  # normalise in fp32, as transformers does
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # a sum and an rsqrt per row, which rows keeps each row's own (rowwise.py)
+        inv_rms = rows(self.inv_rms, ("inv_rms", self.eps), xf)  # [B, T, 1]
+        return self.weight * (xf * inv_rms).to(x.dtype)
+
+    def inv_rms(self, xf):
+        return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class Attention(nn.Module):
@@ -251,8 +259,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down_proj
 
     def forward(self, x):
-        gate = F.silu(linear(self.w1, x))  # [B, T, F]
-        return linear(self.w2, gate * linear(self.w3, x))  # [B, T, E]
+        gate_up = rows(swiglu, "swiglu", linear(self.w1, x), linear(self.w3, x))  # [B, T, F]
+        return linear(self.w2, gate_up)  # [B, T, E]
 
 
 class Block(nn.Module):

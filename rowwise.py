@@ -1,38 +1,197 @@
 """
-Rows of one batch that belong to different tasks (generate.decode_batch: one decode token per task)
-must each get the bits they would get alone, so that no task's output depends on its neighbours.
+Rows of one forward pass that belong to different tasks (generate.decode_batch: one decode token per
+task) must each get the bits they would get alone, so that no task's output depends on its
+neighbours. Here "alone" is the same call on that row by itself: block b of x [B, T, ...] must get
+the bits of the [1, T, ...] call (a multi-query step whose T positions must each equal a one-token
+step, as speculative verification needs, passes them as rows: [T, 1, ...]).
 
-A matmul of B rows need not give row i the bits of the 1-row product: the library may pick another
-kernel, another blocking or another split of the sums for another row count. On this project's
-build machine bf16 products are row-invariant (row i of a B-row product equals the 1-row product,
-for B up to 32) and fp32 products are not (B = 1, 2-3 and 4+ take three different paths). Rather
-than trust a list of platforms, `linear` checks each (layer shape, kind, row count, dtype, device)
-once, on random rows, and uses one product for all rows only where it gave every row its lone bits.
-Elsewhere it multiplies the rows one at a time, each exactly as it would be alone: the weight is
-then read once per row, but from the cache for every row after the first.
+Nothing promises it. A matmul's library picks its kernel, blocking and split of the sums from the
+row count (fp32 on this project's CPU, MKL: every row count from 2 up gives other bits than one row
+alone), and an element-wise kernel runs a vector body and a scalar tail that need not agree (fp32
+F.silu: 4% of values differ between the two), so where a row starts inside the call, or where the
+threads split it, decides its bits. A difference in the fp32 sums shows in a bf16 result only when
+it crosses a rounding boundary, so a product that changes its order at 7 rows passes most random
+probes: measured on a product that adds the two halves of K apart from 7 rows up, 7 of 20 normal
+probes saw it, and a trained model's weights make it rarer still. One probe decides nothing.
+
+So each operation a step shares across rows is kept row-invariant in one of three ways:
+- By construction. An element-wise operation made of correctly rounded IEEE operations (add, mul,
+  neg, a cast, a copy) gives an element the same bits whatever kernel, vector width or thread split
+  computes it: the residual adds, RoPE's rotation (separate mul and add, no fused multiply-add), the
+  norm's scaling, a linear's bias, the embedding (a gather) and the fp32 cast of the logits need
+  nothing here. Attention runs per task (kvcache.BatchedCaches).
+- A check that a reordering cannot pass (`linear`, `rows`): decided once per kind of operation,
+  weight shape and layout, input shape and layout, dtype, device and thread count, on probes built
+  to expose any change of summation order, every row compared with its lone call, and a single
+  mismatch meaning "not invariant". A linear is probed with a weight of its kind, shape and layout
+  whose every output is exactly zero: pairs of input features carry equal values of magnitudes
+  from 2^-6 to 2^7 and weights of opposite signs, so the result is nothing but the rounding the
+  order of the sums left behind (products are exact in fp32 for bf16, int8 and int4 operands); on
+  the product above 96% of such outputs differ, so one probe of B x N outputs cannot miss it. A
+  row function (the norm's statistic, SiLU times the up projection) is probed with values of
+  magnitudes 2^-8 to 2^8 at every position, ROW_TRIALS times.
+- Rows one at a time where the check fails: each row's call is then exactly the lone one (a fresh
+  copy of the row, so even its alignment is the lone one's). A linear then reads its weight once
+  per row (from the cache after the first, for a layer that fits), so an fp32 batch saves no weight
+  reads; the measured cost is in docs/batches.md.
+Measured on this project's build machine (AMD EPYC, AVX2, torch 2.13, 1 and 2 threads, rows 1 to
+16 and T 1, 3, 9): bf16 products (torch's own dot kernel), the int8 and int4 kernels, the norm's
+statistic and SiLU times up of the model's widths pass; fp32 products never do, and fp32 SiLU of a
+width that is not a multiple of 16 fails once the threads split it. The key includes the thread
+count, so each is decided for the threads it runs with.
 """
-import torch
+import copy
 
-_ROW_INVARIANT = {}  # (kind, weight shape, dtype, device, rows) -> whether one product is safe
+import torch
+import torch.nn as nn
+
+ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
+_DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
+_PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 
 
 def linear(layer, x):
-    """layer(x) for x [B, T, E] whose B rows may be different tasks: each row's result is the one
+    """layer(x) for x [B, T, K] whose B rows may be different tasks: each row's result is the one
     it gets alone (B = 1: just the product)."""
     B = x.shape[0]
-    if B == 1 or row_invariant(layer, x):
+    if B == 1 or one_product(layer, x):
         return layer(x)
-    return torch.cat([layer(x[i:i + 1]) for i in range(B)])  # [B, T, out], row by row
+    return torch.cat([layer(x[i:i + 1].clone()) for i in range(B)])  # [B, T, N], row by row
 
 
-def row_invariant(layer, x):
-    """Whether one product of x's row count gives every row the bits of its 1-row product, for
-    this kind of layer, its weight's shape, x's dtype and device: checked once, on random rows."""
-    weight = layer.weight
-    key = (type(layer), tuple(weight.shape), x.dtype, x.device, x.shape[0], x.shape[1])
-    if key not in _ROW_INVARIANT:
-        g = torch.Generator(x.device).manual_seed(0)
-        probe = torch.randn(x.shape, generator=g, device=x.device).to(x.dtype)  # [B, T, E]
-        rows = torch.cat([layer(probe[i:i + 1]) for i in range(x.shape[0])])
-        _ROW_INVARIANT[key] = torch.equal(layer(probe), rows)
-    return _ROW_INVARIANT[key]
+def rows(fn, key, *xs):
+    """fn(*xs) for tensors [B, T, ...] whose B rows may be different tasks, fn working row by row
+    (its result's row b depends on the inputs' row b only): each row's result is the one it gets
+    alone. key names fn and what it depends on besides its inputs (e.g. ("rms", eps))."""
+    B = xs[0].shape[0]
+    if B == 1:
+        return fn(*xs)
+    full = ("rows", key, torch.get_num_threads(), *[(x.shape, x.stride(), x.dtype, x.device)
+                                                    for x in xs])
+    if _decide(full, lambda: _rows_agree(fn, xs), (str(key), tuple(xs[0].shape[:2]))):
+        return fn(*xs)
+    return torch.cat([fn(*(x[i:i + 1].clone() for x in xs)) for i in range(B)])
+
+
+def one_product(layer, x):
+    """Whether one product of x's rows gives every row the bits of its lone product, for this
+    kind of layer, its weight's shape and layout, x's shape, layout, dtype and device, and the
+    thread count: decided once, on probes (module docstring)."""
+    w = layer.weight
+    key = ("linear", type(layer), getattr(layer, "packing", None),
+           getattr(layer, "group_size", None), tuple(w.shape), w.stride(), w.dtype,
+           w.data_ptr() % 64, layer.bias is not None, tuple(x.shape), x.stride(), x.dtype,
+           x.device, torch.get_num_threads())
+    name = f"{type(layer).__name__} {tuple(w.shape)} {str(x.dtype).removeprefix('torch.')}"
+    return _decide(key, lambda: _linear_agrees(layer, x), (name, tuple(x.shape[:2])))
+
+
+def decisions():
+    """What was decided so far, for reports: [(what, (B, T) rows, whether one call serves every
+    row)]."""
+    return list(_DECIDED.values())
+
+
+def _decide(key, test, what):
+    """what: (the operation, (B, T))."""
+    if key not in _DECIDED:
+        _DECIDED[key] = (*what, bool(test()))
+    return _DECIDED[key][2]
+
+
+def _agree(fn, xs):
+    """fn on all rows at once equals fn on each row alone, a fresh copy of it."""
+    B = xs[0].shape[0]
+    alone = torch.cat([fn(*(x[i:i + 1].clone() for x in xs)) for i in range(B)])
+    return torch.equal(fn(*xs), alone)
+
+
+def _magnitudes(shape, g, lo, hi):
+    """Random signs times 2^[lo, hi] times 1 + k/128: exact in bf16, fp16 and fp32."""
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    exp = torch.randint(lo, hi + 1, shape, generator=g)
+    return sign * 2.0 ** exp * (1 + torch.randint(0, 128, shape, generator=g) / 128)
+
+
+def _like(t, values):
+    """values in t's dtype, shape, strides, device and data alignment (mod 64 bytes): a kernel
+    choice that depends on any of them is the one t gets."""
+    size = t.element_size()
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    buf = torch.zeros(extent + 64 // size, dtype=t.dtype, device=t.device)
+    shift = (t.data_ptr() - buf.data_ptr()) % 64 // size
+    out = buf[shift:].as_strided(t.shape, t.stride())
+    out.copy_(values)
+    return out
+
+
+def _rows_agree(fn, xs):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(ROW_TRIALS):
+        probes = [_like(x, _magnitudes(x.shape, g, -8, 8)) for x in xs]
+        if not _agree(fn, probes):
+            return False
+    return True
+
+
+def _probe_layer(layer, g):
+    """(a copy of layer, its weight replaced by one of the same kind, shape and layout that pairs
+    input features with opposite signs; the pairs [2, K/2]), or None for a kind of layer this
+    module does not know."""
+    N, K = layer.out_features, layer.in_features
+    pairs = torch.randperm(K - K % 2, generator=g).view(2, -1)      # [2, K/2]
+    probe = copy.copy(layer)  # its own parameters and buffers, the rest shared
+    probe._parameters = dict(layer._parameters)
+    probe._buffers = dict(layer._buffers)
+    if hasattr(layer, "scales_and_zeros"):  # quantize.Int4Linear: w = (q - 8) * scale + zero
+        sign = torch.randint(0, 2, (N, K // 2), generator=g) * 2 - 1
+        c = torch.randint(1, 8, (N, K // 2), generator=g) * sign
+        q = torch.full((N, K), 8, dtype=torch.uint8)
+        q[:, pairs[0]] = (8 + c).to(torch.uint8)
+        q[:, pairs[1]] = (8 - c).to(torch.uint8)
+        sz = torch.zeros(layer.scales_and_zeros.shape)               # [K/g, N, 2]
+        sz[..., 0] = 1
+        probe.load_quantized(q.to(layer.weight.device), _like(layer.scales_and_zeros, sz))
+        if probe.packing != layer.packing:
+            return None
+    elif hasattr(layer, "scales"):  # quantize.Int8Linear: w = q * scale
+        c = _magnitudes((N, K // 2), g, 0, 6).clamp(-127, 127).round()
+        q = torch.zeros(N, K)
+        q[:, pairs[0]] = c
+        q[:, pairs[1]] = -c
+        probe.weight = _like(layer.weight, q)
+        probe.scales = _like(layer.scales, torch.ones(N))
+    elif isinstance(layer, nn.Linear):
+        c = _magnitudes((N, K // 2), g, -6, 7)
+        w = torch.zeros(N, K)
+        w[:, pairs[0]] = c
+        w[:, pairs[1]] = -c
+        probe.weight = nn.Parameter(_like(layer.weight, w), requires_grad=False)
+    else:
+        return None
+    if layer.bias is not None:  # zero: the product's path with a bias, and nothing added
+        probe.bias = nn.Parameter(_like(layer.bias, torch.zeros(N)), requires_grad=False)
+    return probe, pairs
+
+
+def _linear_agrees(layer, x):
+    """Two zero-sum probes (module docstring) and one of the layer's own weights with inputs of
+    magnitudes 2^-8 to 2^8: every row of one product against its lone product."""
+    g = torch.Generator().manual_seed(0)
+    B, T, K = x.shape
+    w = layer.weight
+    key = (type(layer), getattr(layer, "packing", None), getattr(layer, "group_size", None),
+           tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 64, layer.bias is not None)
+    if key not in _PROBES:  # one per kind, shape and layout of weight, whatever the row count
+        _PROBES[key] = _probe_layer(layer, g)
+    if _PROBES[key] is None:  # a kind of layer we cannot probe: keep its rows apart
+        return False
+    probe, pairs = _PROBES[key]
+    for _ in range(2):
+        v = _magnitudes((B, T, pairs.shape[1]), g, -6, 7)
+        xp = torch.zeros(B, T, K)
+        xp[..., pairs[0]] = v
+        xp[..., pairs[1]] = v
+        if not _agree(probe, [_like(x, xp)]):
+            return False
+    return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))])

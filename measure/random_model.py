@@ -7,7 +7,9 @@ safetensors under Hugging Face names and a config.json that both this project an
     build_random_checkpoint(sizes, "/tmp/m", torch.bfloat16)
 """
 import json
+import math
 import os
+import re
 
 import torch
 
@@ -54,11 +56,56 @@ def parse_model_spec(spec, layers=None):
     return sizes
 
 
-def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0):
+# the demo model, a trained one: the template of trained-scale weights
+TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                        "tinyllama-pydoc")
+
+
+def trained_scales(template=TEMPLATE):
+    """What a trained checkpoint's tensors look like, per Hugging Face name (layer index kept):
+    a norm weight's (mean, std); a linear's RMS times sqrt(fan in) (the embedding's plain RMS) and
+    the spread of its rows' RMS (std / mean)."""
+    from safetensors.torch import load_file
+    stats = {}
+    for name, t in load_file(os.path.join(template, "model.safetensors")).items():
+        t = t.float()
+        if t.dim() == 1:
+            stats[name] = ("norm", t.mean().item(), t.std().item())
+            continue
+        rms = t.pow(2).mean().sqrt().item()
+        rows = t.pow(2).mean(1).sqrt()  # [N]
+        scale = rms if "embed_tokens" in name else rms * t.shape[1] ** 0.5
+        stats[name] = ("linear", scale, (rows.std() / rows.mean()).item())
+    return stats
+
+
+def _trained_tensor(hf_name, shape, stats, n_layers, g, device):
+    """A random tensor scaled as the template's tensor of the same role and relative depth."""
+    n_template = 1 + max(int(m) for m in re.findall(r"layers\.(\d+)\.", " ".join(stats)))
+    index = re.search(r"layers\.(\d+)\.", hf_name)
+    key = hf_name
+    if index:
+        depth = int(index.group(1)) * n_template // n_layers
+        key = hf_name.replace(index.group(0), f"layers.{depth}.", 1)
+    kind, a, b = stats[key]
+    if kind == "norm":
+        return a + b * torch.randn(shape, generator=g, device=device)
+    if "embed_tokens" not in hf_name:  # a linear's scale is per unit fan in
+        a = a / shape[1] ** 0.5
+    sigma = math.sqrt(math.log(1 + b * b))  # lognormal row scales of mean 1 and that spread
+    rows = torch.exp(sigma * torch.randn(shape[0], 1, generator=g, device=device) - sigma ** 2 / 2)
+    return torch.randn(shape, generator=g, device=device) * rows * a
+
+
+def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=131072, seed=0,
+                            trained_scale=False, tied=False):
     """A LlamaForCausalLM directory that both Transformer.from_pretrained and transformers load
     (with a byte-level tokenizer.json when the vocabulary has room for 256 bytes). Linear weights
     at std 1/sqrt(fan in), embeddings at 1, norms at 1, so activations stay O(1); drawn on `device`
-    (fast on a GPU)."""
+    (fast on a GPU). trained_scale: every tensor scaled as the demo model's (a trained model) of
+    the same role and relative depth, rows spread as its rows are (trained_scales): the
+    magnitudes at which rounding decides a result, as random O(1) weights never show. tied: the
+    output matrix is the embedding (tie_word_embeddings, as SmolLM2)."""
     from safetensors.torch import save_file
     model_args = ModelArgs(dim=sizes["dim"], n_layers=sizes["layers"], n_heads=sizes["heads"],
                            n_kv_heads=sizes["kv_heads"], head_dim=sizes["head_dim"],
@@ -68,8 +115,15 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
     with torch.device("meta"):
         model = Transformer(model_args)
     g = torch.Generator(device).manual_seed(seed)
+    stats = trained_scales() if trained_scale else None
     tensors = {}
     for name, p in model.named_parameters():
+        if tied and name == "output.weight":
+            continue
+        if stats:
+            w = _trained_tensor(ours_to_hf(name), p.shape, stats, model_args.n_layers, g, device)
+            tensors[ours_to_hf(name)] = w.to(dtype).cpu()
+            continue
         if "norm" in name:
             tensors[ours_to_hf(name)] = torch.ones(p.shape, dtype=dtype)
             continue
@@ -94,7 +148,7 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
         "rope_theta": 10000.0,
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
         "torch_dtype": model_args.torch_dtype,
         "bos_token_id": 1,
         "eos_token_id": 2,
@@ -110,3 +164,24 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
         tok.decoder = decoders.ByteLevel()
         tok.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m measure.random_model",
+                                description="write a random checkpoint of a given shape")
+    p.add_argument("spec", help=f"a preset {sorted(PRESETS)} and/or key=value pairs {SIZE_KEYS}")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--trained-scale", action="store_true",
+                   help="tensors scaled as a trained model's (the demo model's), not O(1)")
+    p.add_argument("--tied", action="store_true", help="tie the output matrix to the embedding")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    try:
+        spec = parse_model_spec(a.spec)
+    except ValueError as e:
+        p.exit(2, f"python -m measure.random_model: error: {e}\n")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    print(build_random_checkpoint(spec, a.out_dir, dtype, seed=a.seed,
+                                  trained_scale=a.trained_scale, tied=a.tied))

@@ -38,6 +38,7 @@ class Batcher:
         self.steps = 0         # batched decode steps run, the tokens they gave, the most at once
         self.rows = 0
         self.widest = 0
+        self.sizes = set()     # every row count a decode step ran with (verify --batch wants all)
         self.engine = ThreadPoolExecutor(1, thread_name_prefix="model")  # runs every forward pass
 
     def close(self):
@@ -107,6 +108,7 @@ class Batcher:
         self.steps += 1
         self.rows += len(caches)
         self.widest = max(self.widest, len(caches))
+        self.sizes.add(len(caches))
         return {c: failed.get(i, logits[i:i + 1]) for i, c in enumerate(caches)}
 
     def _alone(self, cache, token):

@@ -22,6 +22,7 @@ from checkpoint import CheckpointError
 from generate import Sampling
 from offload import OffloadConfig
 from pools import OffloadError
+from rowwise import decisions
 from runs import launch, speculation
 from runs.batcher import Batcher
 from runs.cores import one_thread_here
@@ -91,7 +92,7 @@ def batch_prompts(ids, n):
 
 def run_batched(model, prompts, mode, args):
     """The prompts as one batch of tasks in flight, their decode steps shared (batcher.py): per task
-    what run_mode returns, and the most tasks one decode step served."""
+    what run_mode returns, and every row count a decode step ran with."""
     batcher = Batcher(model)
 
     def one(i):
@@ -102,7 +103,22 @@ def run_batched(model, prompts, mode, args):
             runs = list(pool.map(one, range(len(prompts))))
     finally:
         batcher.close()
-    return runs, batcher.widest
+    return runs, sorted(batcher.sizes)
+
+
+def rowwise_summary():
+    """{operation: "one call at 2x1, 3x1; rows one at a time at ..."} from rowwise.decisions()."""
+    by_op = {}
+    for what, (B, T), one in decisions():
+        by_op.setdefault(what, {True: [], False: []})[one].append(f"{B}x{T}")
+    return {what: "; ".join(f"{'one call' if one else 'rows one at a time'} at {', '.join(r)}"
+                            for one, r in ways.items() if r)
+            for what, ways in by_op.items()}
+
+
+def missing_sizes(n, sizes):
+    """The decode step sizes from 1 to n tasks that a batch never ran."""
+    return [k for k in range(1, n + 1) if k not in sizes]
 
 
 def speculated(model, ids, args, cfgs, guesser, runs, diffs):
@@ -223,14 +239,15 @@ def run(args):
                 runs[m] = run_as_task(model, ids, args.max_new_tokens, modes[-1], args, kv_store,
                                       fp, layout)
                 diffs[m] = verify.compare(runs["none"], runs[m])
-        batched = {}  # mode -> (per task: the first difference from its lone run, or None; widest)
+        # mode -> (per task: the first difference from its lone run, or None; the step sizes)
+        batched = {}
         if args.batch:
             prompts = batch_prompts(ids, args.batch)
             alone = [run_as_task(model, q, args.max_new_tokens, "none", args, task=f"_a{i}")
                      for i, q in enumerate(prompts)]
             for m in ["none"] + modes:
-                tasks, widest = run_batched(model, prompts, m, args)
-                batched[m] = ([verify.compare(a, b) for a, b in zip(alone, tasks)], widest)
+                tasks, sizes = run_batched(model, prompts, m, args)
+                batched[m] = ([verify.compare(a, b) for a, b in zip(alone, tasks)], sizes)
     except (UsageError, CheckpointError, OffloadError, ValueError) as e:
         launch.refuse(f"verify.py: error: {e}", layout)
         return 2
@@ -246,9 +263,9 @@ def run(args):
                      "chunks_read_per_decode_step": st["chunks_read_per_decode_step"],
                      "reused_tokens": st.get("reused_tokens", 0),
                      "speculation": st.get("speculation")}
-    for m, (task_diffs, widest) in batched.items():
-        # steps shared, every task its own bits
-        ok &= all(d is None for d in task_diffs) and widest > 1
+    for m, (task_diffs, sizes) in batched.items():
+        # every task its own bits, in decode steps of every size from 1 to --batch
+        ok &= all(d is None for d in task_diffs) and not missing_sizes(args.batch, sizes)
     if kv_store and not report["reuse"]["reused_tokens"]:  # nothing reused would prove nothing
         ok = False
         report["reuse"]["first_difference"] = (0, None, "prefill",
@@ -272,8 +289,10 @@ def run(args):
                           "kv_dtype": args.kv_dtype, "select": select_fields(args),
                           "modes": report, "unchunked": unchunked,
                           "batch": {m: {"identical_to_alone": [d is None for d in d_],
-                                        "most_tasks_per_step": widest}
-                                    for m, (d_, widest) in batched.items()}}))
+                                        "tasks_per_step": sizes}
+                                    for m, (d_, sizes) in batched.items()},
+                          "rowwise": [{"what": w, "rows": r, "one_call": one}
+                                      for w, r, one in decisions()]}))
     else:
         print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok)
     return 0 if ok else 1
@@ -330,17 +349,23 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
             print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely "
                   "causes: a chunk read back at the wrong position or from a stale slot (a "
                   "missing stream wait), or a dtype change across tiers.")
-    for m, (diffs, widest) in batched.items():
+    for m, (diffs, sizes) in batched.items():
         same = sum(d is None for d in diffs)
         print(f"batch of {args.batch}, {m}: {same} of {len(diffs)} tasks bit-identical to "
-              f"themselves alone with --offload none; up to {widest} tasks per decode step")
-        if widest < 2:
-            print(f"NOT PROVEN batch {m}: no decode step was shared (the first task finished "
-                  "before the next one had read its prompt); raise --max-new-tokens")
+              f"themselves alone with --offload none; decode steps of "
+              f"{', '.join(map(str, sizes))} tasks")
+        missing = missing_sizes(args.batch, sizes)
+        if missing:
+            print(f"NOT PROVEN batch {m}: no decode step of {', '.join(map(str, missing))} "
+                  "tasks ran (tasks finished before the others had read their prompts); raise "
+                  "--max-new-tokens")
         for i, d in enumerate(diffs):
             if d:
                 print(f"MISMATCH batch {m} task {i}: step {d[0]} ({d[2]}, position {d[1]}): "
                       f"{d[3]}")
+    if batched:
+        print("rowwise.py, per operation the row counts (tasks x positions) checked: "
+              + "; ".join(f"{what}: {rows}" for what, rows in rowwise_summary().items()))
     everywhere = f" on all {layout.world} ranks" if layout.world > 1 else ""
     print(f"OK: every mode is bit-identical to --offload none{everywhere}" if ok else "FAILED")
 

@@ -1,0 +1,190 @@
+"""
+rowwise.py: every row of a shared step gets the bits of its lone call, for every operation a batched
+step shares across rows (the linears: bf16, fp32, int8, int4; the norm, SiLU times up, RoPE, the
+residual adds, the embedding, the fp32 logits), every row count up to 16, one and several positions
+per row, 1 and 2 threads, with weights at a trained model's scale (measure/random_model.py,
+trained_scale) rather than O(1). The reference of each row is its own call alone. And the check
+that decides it cannot be passed by a product that reorders its sums for some row counts only:
+the bug of issue 34, which a single random probe passed.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import rowwise
+from generate import decode_batch, decode_one_token, prefill
+from kvcache import make_cache
+from measure.random_model import build_random_checkpoint, parse_model_spec, trained_scales
+from model import RMSNorm, Transformer, apply_rope, swiglu
+from offload import OffloadConfig
+from quantize import Int4Linear, Int8Linear
+
+KINDS = ["bf16", "fp32", "int8", "int4"]
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# SmolLM2-135M's down projection (the product of issue 34, K -> N) and the demo model's output
+# matrix; with 2 threads the first only, at fewer row counts (the suite's time)
+SHAPES = {1: [(1536, 576), (256, 4096)], 2: [(1536, 576)]}
+ROWS = {1: [(B, 1) for B in range(1, 17)] + [(2, 9), (5, 3), (16, 2)],
+        2: [(2, 1), (7, 1), (8, 1), (16, 1), (2, 9), (16, 2)]}
+
+
+def trained_weight(N, K, g):
+    """[N, K] at the demo model's down projection scale, rows spread as its rows are."""
+    _, scale, spread = trained_scales()["model.layers.0.mlp.down_proj.weight"]
+    rows = 1 + spread * torch.randn(N, 1, generator=g)
+    return torch.randn(N, K, generator=g) * rows * scale / K ** 0.5
+
+
+def activations(shape, g):
+    """Rows as a trained model's: mostly O(1), a few channels 30x larger (outlier features)."""
+    x = torch.randn(shape, generator=g)
+    x[..., torch.randint(0, shape[-1], (4,), generator=g)] *= 30
+    return x
+
+
+def make_layer(kind, K, N, g):
+    w = trained_weight(N, K, g)
+    if kind in ("bf16", "fp32"):
+        layer = nn.Linear(K, N, bias=False, dtype=torch.bfloat16 if kind == "bf16" else None)
+        layer.weight = nn.Parameter(w.to(layer.weight.dtype), requires_grad=False)
+        return layer
+    layer = Int8Linear(K, N) if kind == "int8" else Int4Linear(K, N)
+    layer.load_weight(w)
+    return layer
+
+
+def lone_rows(fn, *xs):
+    return torch.cat([fn(*(x[i:i + 1].clone() for x in xs)) for i in range(xs[0].shape[0])])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_linear_gives_every_row_its_lone_bits(kind, threads):
+    g = torch.Generator().manual_seed(3)
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    for K, N in SHAPES[threads]:
+        layer = make_layer(kind, K, N, g)
+        for B, T in ROWS[threads]:
+            x = activations((B, T, K), g).to(dtype)
+            with torch.inference_mode():
+                assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), (K, N, B, T)
+
+
+class ReorderingLinear(nn.Linear):
+    """A bf16 product that sums K in two halves from 7 rows up, as a kernel with another blocking
+    for more rows would: the difference shows only where it crosses a bf16 rounding boundary."""
+
+    def forward(self, x):
+        x2 = x.reshape(-1, x.shape[-1]).float()                        # [M, K]
+        w = self.weight.float()
+        h = x2.shape[1] // 2
+        if x2.shape[0] >= 7:
+            y = [r[None, :h] @ w[:, :h].T + r[None, h:] @ w[:, h:].T for r in x2]
+        else:
+            y = [r[None] @ w.T for r in x2]
+        return torch.cat(y).to(x.dtype).view(*x.shape[:-1], -1)        # [..., N]
+
+
+def test_a_product_that_reorders_for_some_row_counts_is_caught():
+    """Issue 34's bug: one random probe passes such a product (the old check, 7 of 20 normal probes
+    see it); the zero-sum probes see it at once, so every row still gets its lone bits."""
+    g = torch.Generator().manual_seed(0)
+    layer = ReorderingLinear(1536, 576, bias=False, dtype=torch.bfloat16)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(torch.bfloat16),
+                                requires_grad=False)
+    for B in range(1, 17):
+        for _ in range(4):
+            x = activations((B, 1, 1536), g).to(torch.bfloat16)
+            assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), B
+    decided = {rows: ok for what, rows, ok in rowwise.decisions() if "ReorderingLinear" in what}
+    assert decided[(6, 1)] and not decided[(7, 1)] and not decided[(16, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_row_wise_operations_give_every_row_its_lone_bits(dtype, threads):
+    """The norm, SiLU times up (at a width that is not a multiple of the vector width too), RoPE's
+    rotation, the residual add, the embedding and the fp32 cast of the logits."""
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight = nn.Parameter((1 + 0.05 * torch.randn(576, generator=g)).to(dtype))
+    emb = nn.Embedding(4096, 576).to(dtype)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64)
+    for B, T in ROWS[threads][1:] + [(3, 9), (16, 9)]:
+        x = activations((B, T, 576), g).to(dtype)
+        gate, up = (activations((B, T, 1536), g).to(dtype) for _ in range(2))
+        odd_gate, odd_up = (activations((B, T, 700), g).to(dtype) for _ in range(2))
+        pos = torch.randint(0, 5000, (B, 1), generator=g) + torch.arange(T)  # [B, T]
+        angles = torch.cat([pos[..., None] * inv_freq] * 2, -1)               # [B, T, D]
+        cos, sin = angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+        q = activations((B, T, 9, 64), g).to(dtype).transpose(1, 2)         # [B, H, T, D]
+        ids = torch.randint(0, 4096, (B, T), generator=g)
+        with torch.inference_mode():
+            checks = {
+                "norm": (norm, x),
+                "swiglu": (lambda a, b: rowwise.rows(swiglu, "swiglu", a, b), gate, up),
+                "swiglu 700": (lambda a, b: rowwise.rows(swiglu, "swiglu", a, b), odd_gate,
+                               odd_up),
+                "rope": (apply_rope, q, cos, sin),
+                "add": (torch.add, x, x.flip(-1)),
+                "embedding": (emb, ids),
+                "logits": (lambda a: a.float(), x),
+            }
+            for name, (fn, *xs) in checks.items():
+                assert torch.equal(fn(*xs), lone_rows(fn, *xs)), (name, B, T)
+
+
+def test_a_row_function_that_differs_in_a_batch_is_caught():
+    """A row function whose last elements go another way in a batch, on some values only (as a
+    vector body and a scalar tail do): rows sees it and keeps the rows apart."""
+    def split(x):
+        y = F.silu(x)
+        if x.shape[0] >= 5:  # rows but the last: their tail in double, as another kernel might
+            y[:-1, :, -5:] = F.silu(x[:-1, :, -5:].double()).to(x.dtype)
+        return y
+    g = torch.Generator().manual_seed(5)
+    for B in range(2, 17):
+        x = activations((B, 1, 700), g)
+        assert torch.equal(rowwise.rows(split, "split", x), lone_rows(split, x)), B
+
+
+@pytest.fixture(scope="module")
+def trained_ckpt(tmp_path_factory):
+    """A tied model of trained-scale weights (the demo model's statistics), shapes every kernel
+    takes (int4: N a multiple of 16, K of 32)."""
+    sizes = parse_model_spec("dim=128,layers=2,heads=4,kv_heads=2,hidden=352,vocab=512")
+    return build_random_checkpoint(sizes, str(tmp_path_factory.mktemp("trained")), torch.bfloat16,
+                                   trained_scale=True, tied=True, max_positions=4096)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sixteen_tasks_decoding_together_each_get_their_lone_logits(trained_ckpt, kind):
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    quantize = {"int8": "int8", "int4": "int4-g32"}.get(kind)
+    model = Transformer.from_pretrained(trained_ckpt, dtype=dtype, quantize=quantize)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 512, (1, 3 + 5 * i), generator=g) for i in range(16)]
+    caches = [make_cache(model, OffloadConfig(), 16, 200) for _ in prompts]
+    lone = [make_cache(model, OffloadConfig(), 16, 200) for _ in prompts]
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, prompts)])
+    for c, p in zip(lone, prompts):
+        prefill(model, c, p)
+    for step in range(3):
+        tokens = logits.argmax(-1, keepdim=True)                               # [16, 1]
+        # tasks leave: 16, 11, 6 rows share the steps
+        n = 16 - 5 * step
+        logits, failed = decode_batch(model, caches[:n], tokens[:n])
+        assert not failed
+        for i in range(n):
+            alone = decode_one_token(model, lone[i], tokens[i:i + 1])
+            assert torch.equal(logits[i:i + 1], alone), (kind, step, i)
+    for c in caches + lone:
+        c.store.close()
