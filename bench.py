@@ -7,11 +7,15 @@ import sys
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--tune" in argv:
-        from measure import tune
-        sys.exit(tune.main([a for a in argv if a != "--tune"]))
-    if "--probe" in argv:
-        from measure import probe
-        sys.exit(probe.main([a for a in argv if a != "--probe"]))
-    from measure import bench
-    sys.exit(bench.main(argv))
+    try:
+        from measure import bench, probe, tune
+        main = bench.main
+        if "--tune" in argv:
+            main = tune.main
+        elif "--probe" in argv:
+            main = probe.main
+        code = main([a for a in argv if a not in ("--tune", "--probe")])
+    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+        print("bench.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -5,5 +5,10 @@ configuration (measure/doctor.py). `python verify.py --diagnose ...` runs it too
 import sys
 
 if __name__ == "__main__":
-    from measure import doctor
-    sys.exit(doctor.main())
+    try:
+        from measure import doctor
+        code = doctor.main()
+    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+        print("doctor.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -5,5 +5,10 @@ cost here (measure/probe.py). Step 1 of docs/checklist.md.
 import sys
 
 if __name__ == "__main__":
-    from measure import probe
-    sys.exit(probe.main())
+    try:
+        from measure import probe
+        code = probe.main()
+    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+        print("probe.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
+        code = 130
+    sys.exit(code)

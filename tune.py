@@ -5,5 +5,10 @@ context, measured within your budgets (measure/tune.py).
 import sys
 
 if __name__ == "__main__":
-    from measure import tune
-    sys.exit(tune.main())
+    try:
+        from measure import tune
+        code = tune.main()
+    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+        print("tune.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -13,13 +13,26 @@ and its extra modes (torchrun, --kv-store, --batch, --diagnose) are runs/proofs.
 Exit 0: all bit-identical; 1: a mismatch (the first differing step is named); 2: bad usage.
 """
 import pydoc_data.topics
+import signal
+import sys
 import time
 
-import torch
+INTERRUPTED = "verify.py: interrupted (Ctrl-C); nothing to resume: run it again"
 
-import speculate
-from generate import Sampling, generate
-from kvcache import make_cache
+
+def _interrupted_starting(signum, frame):
+    print(INTERRUPTED, file=sys.stderr)
+    raise SystemExit(130)
+
+
+if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (the __main__ below)
+    signal.signal(signal.SIGINT, _interrupted_starting)
+
+import torch  # noqa: E402
+
+import speculate  # noqa: E402
+from generate import Sampling, generate  # noqa: E402
+from kvcache import make_cache  # noqa: E402
 
 # real English text that every Python installation carries: the reference manual's pages on a few
 # statements
@@ -114,11 +127,17 @@ def unchunked(model, ids, reference):
 
 
 if __name__ == "__main__":
-    import sys
     # the command line lives with the operations; they import this very module, not a second copy
     sys.modules["verify"] = sys.modules["__main__"]
     if "--diagnose" in sys.argv[1:]:  # the alias: the troubleshooting chains are a command now
         from measure import doctor
         sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
-    from runs import launch, proofs
-    launch.exit(proofs.main())
+    try:
+        from runs import launch, proofs
+        # from here Ctrl-C raises KeyboardInterrupt, so the runs' finally blocks close their stores
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        code = proofs.main()
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        sys.exit(130)
+    launch.exit(code)

@@ -87,3 +87,31 @@ def test_ctrl_c_mid_prefill_is_one_line_and_the_kept_tier_resumes(tmp_path, batc
         assert json.loads(again.out)["stats"]["resumed_from"] > 0, again.out
     # the rerun emptied the default directory an earlier run had made: it is gone
     assert not (tmp_path / "kv_cache_offload").exists(), os.listdir(tmp_path / "kv_cache_offload")
+
+
+@pytest.mark.parametrize("command", ["tune.py", "verify.py"])
+def test_ctrl_c_in_the_other_commands_is_one_line(tmp_path, command):
+    """The measuring and proving commands end on Ctrl-C with exit 130 and one line, whenever it
+    lands: here while the run is under way (tune.py has printed its plan; verify.py after a
+    second, loading or running)."""
+    argv = {"tune.py": ["--context", "256", "--threads", "1"],
+            "verify.py": ["--max-new-tokens", "64", "--threads", "1"]}[command]
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, command), *argv,
+                          "--offload-dir", str(tmp_path / "kv")], cwd=tmp_path,
+                         env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if command == "tune.py":
+        first = p.stderr.readline()  # its plan: the run is under way
+        assert first, p.communicate()
+    else:
+        first = ""
+        time.sleep(1.0)
+    assert p.poll() is None, p.communicate()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last == f"{command}: interrupted (Ctrl-C); nothing to resume: run it again", err
+    if command == "verify.py":  # it says nothing on stderr before: the one line is all
+        assert len(err.strip().splitlines()) == 1, err
