@@ -19,13 +19,20 @@ query q iff q - k < W. A sealed chunk wholly before every query's window is skip
 prefetched nor loaded, see first_visible_chunk); the chunk straddling the window's edge, and the
 open chunk when it is longer than W, are attended with a mask.
 
-Why offload cannot change the output: the compute schedule (which positions go into which kernel
-call, the shapes of those calls, and the order of the merges) is a function of the positions and C
+Chunks are read a group at a time (chunk_groups: runs of consecutive chunks inside aligned blocks
+of GROUP_CHUNKS), each group one tensor [n, 2, B, G, C, D] and one fused kernel call with the chunks
+as its batch: a decode step's few query rows read a chunk in less time than a call's fixed cost, so
+calls per chunk, not bytes, set the speed of long contexts (docs/performance.md).
+
+Why offload cannot change the output: the compute schedule (which positions go into which partial,
+the shapes of those partials, and the order of the merges) is a function of the positions and C
 only. Where a chunk lives changes which copy brings it to the device, never the arithmetic: every
-chunk reaches attention as a contiguous [B, G, C, D] tensor with the same bytes, whether it stayed
-on the device, came back from host memory, was decompressed, or is a view of a memory-mapped file.
-So `--offload cpu|disk` is bit-identical to `--offload none` at the same chunk size, by
-construction; verify.py checks it on every run.
+chunk reaches attention with the same bytes, whether it stayed on the device, came back from host
+memory, was decompressed, or is a view of a memory-mapped file, and a chunk's partial has the same
+bits whichever run of the kernel's batch it sits in (tests/test_attention.py), so a tier that
+presents a group as two runs (CPU: the window's chunks beside offloaded ones) still computes the
+same partials. So `--offload cpu|disk` is bit-identical to `--offload none` at the same chunk
+size, by construction; verify.py checks it on every run.
 
 Which sealed chunks a step reads is the selection's call (policy.py): every visible one by
 default, fewer with --select. How K and V sit in a chunk's bytes is a layout (kvlayout.py).

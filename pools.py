@@ -150,7 +150,8 @@ class DeviceChunks:
             self.group = group_view(slots, flat)
             self.group_slots = GROUP_CHUNKS
         for i, j in enumerate(js):
-            # on the compute stream, after load's rule 2 wait; release's rule 3 after the copy
+            # on the compute stream: load made it wait for a staged slot's copy, release marks
+            # the slot once this copy is issued
             self.group[i].copy_(chunks[i] if chunks else load(j))
             release(j)
         return self.group[:len(js)]
