@@ -91,6 +91,29 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     return o / l, (m + torch.log(l)).squeeze(-1)  # lse [B, G, R*T]
 
 
+def attend_chunks(q, k, v):
+    """The partials of n whole chunks in one kernel call: q [B, G, R*T, D] (scaled); k, v
+    [n, B, G, C, D], the chunks of one group (kvcache.chunk_groups). Returns n partials
+    [(o [B, G, R*T, D], lse [B, G, R*T]), ...] fp32, in the chunks' order. The chunks are the
+    kernel's batch: each batch element is computed apart from the others, so a chunk's partial has
+    the bits a call of its own gives (tests/test_attention.py checks it), for a fraction of the
+    fixed cost of a call (a decode step's few query rows read a chunk in about the time that cost
+    takes)."""
+    n, B, G, C, D = k.shape
+    RT = q.shape[2]
+    qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]
+    kn = k.flatten(0, 1)                                           # [n*B, G, C, D]
+    vn = v.flatten(0, 1)
+    if q.is_cpu and FLASH_CPU is not None:
+        o, lse = FLASH_CPU(qn, kn, vn, scale=1.0)[:2]              # [n*B, G, R*T, D], [n*B, G, R*T]
+        o = o if o.dtype == torch.float32 else o.float()
+    elif q.is_cuda and use_fused_cuda(q):
+        o, lse = fused_cuda(qn.contiguous(), kn, vn)
+    else:
+        o, lse = attend_chunk(qn, kn, vn, fused=False)
+    return list(zip(o.view(n, B, G, RT, D).unbind(0), lse.view(n, B, G, RT).unbind(0)))
+
+
 def attend_open_chunk(q, k, v, off, R, window=None):
     """The open chunk: queries at offsets off..off+T-1 see keys up to their own offset (causal), and
     with a sliding window of W only the W latest. q [B, G, R*T, D] (rows are (r, t) pairs); k, v

@@ -122,6 +122,13 @@ class DiskTier:
             self.views[(layer, j)] = torch.from_numpy(mapped).view(self.dtype).view(self.shape)
         return self.views[(layer, j)]
 
+    def flat(self, layer):
+        """Raw tier: layer's whole mapped file as a flat uint8 tensor (zero-copy), over which a
+        group of its chunks is one view (pools.group_view)."""
+        if ("flat", layer) not in self.views:
+            self.views[("flat", layer)] = torch.from_numpy(self.maps[layer])
+        return self.views[("flat", layer)]
+
     def advise(self, layer, first, last):
         """Raw tier: ask the OS to read chunks first..last into the page cache now (a no-op for
         pages there). posix_fadvise, not madvise on the mapping: the kernel does the same
@@ -130,6 +137,16 @@ class DiskTier:
         start = first * self.slot_bytes
         length = (last + 1 - first) * self.slot_bytes
         os.posix_fadvise(self.fds[layer], start, length, os.POSIX_FADV_WILLNEED)
+
+    def advise_chunks(self, keys):
+        """Reader thread: advise [(layer, j), ...] of disk chunks, one fadvise per layer over the
+        span of its chunks (the file keeps them in order)."""
+        span = {}
+        for l, j in keys:
+            first, last = span.get(l, (j, j))
+            span[l] = (min(first, j), max(last, j))
+        for l, (first, last) in span.items():
+            self.advise(l, first, last)
 
     def write(self, layer, j, src):
         """src: a host tensor [2, B, G, C, D]. Returns the bytes written."""

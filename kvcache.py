@@ -19,13 +19,20 @@ query q iff q - k < W. A sealed chunk wholly before every query's window is skip
 prefetched nor loaded, see first_visible_chunk); the chunk straddling the window's edge, and the
 open chunk when it is longer than W, are attended with a mask.
 
-Why offload cannot change the output: the compute schedule (which positions go into which kernel
-call, the shapes of those calls, and the order of the merges) is a function of the positions and C
+Chunks are read a group at a time (chunk_groups: runs of consecutive chunks inside aligned blocks
+of GROUP_CHUNKS), each group one tensor [n, 2, B, G, C, D] and one fused kernel call with the chunks
+as its batch: a decode step's few query rows read a chunk in less time than a call's fixed cost, so
+calls per chunk, not bytes, set the speed of long contexts (docs/performance.md).
+
+Why offload cannot change the output: the compute schedule (which positions go into which partial,
+the shapes of those partials, and the order of the merges) is a function of the positions and C
 only. Where a chunk lives changes which copy brings it to the device, never the arithmetic: every
-chunk reaches attention as a contiguous [B, G, C, D] tensor with the same bytes, whether it stayed
-on the device, came back from host memory, was decompressed, or is a view of a memory-mapped file.
-So `--offload cpu|disk` is bit-identical to `--offload none` at the same chunk size, by
-construction; verify.py checks it on every run.
+chunk reaches attention with the same bytes, whether it stayed on the device, came back from host
+memory, was decompressed, or is a view of a memory-mapped file, and a chunk's partial has the same
+bits whichever run of the kernel's batch it sits in (tests/test_attention.py), so a tier that
+presents a group as two runs (CPU: the window's chunks beside offloaded ones) still computes the
+same partials. So `--offload cpu|disk` is bit-identical to `--offload none` at the same chunk
+size, by construction; verify.py checks it on every run.
 
 Which sealed chunks a step reads is the selection's call (policy.py): every visible one by
 default, fewer with --select. How K and V sit in a chunk's bytes is a layout (kvlayout.py).
@@ -35,8 +42,8 @@ import math
 import torch
 
 from attention import (
-    FLASH_CPU,
     attend_chunk,
+    attend_chunks,
     attend_open_chunk,
     first_visible_chunk,
     merge,
@@ -47,10 +54,28 @@ from attention import (
 from kvlayout import chunk_layout
 from offload import TieredStore
 from policy import Exact, make_selection
+from pools import GROUP_CHUNKS
 
 EXACT = Exact()  # what every prefill step reads: every visible chunk
 
 MERGE_GROUP_BYTES = 4 << 20
+
+
+def chunk_groups(visits, size, alone=()):
+    """The visited chunks (ascending) cut into the groups that one kernel call each attends: runs
+    of consecutive chunks inside one aligned block of `size` chunks (chunk j in block j // size);
+    a chunk in `alone` (the window's edge, which needs a mask) is a group of its own. A function of
+    the positions and the selection only, never of where a chunk lives: the kernel calls of a step
+    are the same in every --offload mode."""
+    groups = []
+    for j in visits:
+        last = groups[-1] if groups else None
+        if (last and j == last[-1] + 1 and j // size == last[0] // size and j not in alone
+                and last[-1] not in alone):
+            last.append(j)
+        else:
+            groups.append([j])
+    return groups
 
 
 class KVCache:
@@ -155,17 +180,35 @@ class KVCache:
             self.visits[layer] = visits
             self.store.prefetch_more(self.reads())
         self.count(layer, first, n, len(visits))
+        state, parts = self.attend_sealed(layer, q, visits)
+        # k, v [B, G, off+T, D]
+        parts.append(attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W))
+        if state is None:  # one group: every decode step
+            o = merge_last(parts)
+        else:
+            o, _ = merge(state, *merge_group(parts))
+        return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
+
+    def attend_sealed(self, layer, q, visits):
+        """The decode (or prefill) attention of one step's query rows q [B, G, R*T, D] (scaled)
+        over the sealed chunks `visits` of layer: (state, parts), the merged partials of the
+        earlier merge groups (None for a decode step: one group) and the partials left to merge
+        with the open chunk's. Chunks are read a group at a time (chunk_groups), each group one
+        tensor from the store and one kernel call; a group's partials are those of one chunk at a
+        time bit for bit, so only the count of calls depends on the grouping. A speculative step
+        of K+1 rows calls this as a one-token step does."""
+        B, G, RT, D = q.shape
+        C = self.chunk_size
+        W = self.windows[layer]
+        T = self.T
+        edge = set()  # the chunks a sliding window cuts: attended alone, with a mask
         q_pos = None  # [R*T] row positions, for a sliding window's mask
         if W is not None:
-            q_pos = self.length + torch.arange(R * T, device=q.device) % T
-        load = self.store.load  # bound once: a chunk visit is the hot loop
-        release = self.store.release if self.store.staged else None  # only a staged chunk's slot
-        read = self.layout.read
-        # the fused CPU kernel straight from the loop when no chunk needs a mask: what
-        # attend_chunk runs, without deciding it again at every visit
-        flash = FLASH_CPU if W is None and q.is_cpu else None
-        fp32 = q.dtype == torch.float32
-
+            q_pos = self.length + torch.arange(RT, device=q.device) % T
+            edge = {j for j in visits if j * C <= self.length + T - 1 - W}
+        # chunks per kernel call: the group's partials stay within the merge's bytes (a prefill
+        # step's many rows), a function of shapes only
+        size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (q.numel() * 4)))
         # partials per group merge: a function of shapes only, so placement-free
         group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))
         kept = [] if self.decoding and self.selection.reads_all else None  # the oracle's
@@ -173,38 +216,31 @@ class KVCache:
         parts = []
         # every key of a sealed chunk is in the past. A row with no visible key in a chunk (the
         # window's edge) gets o 0 and lse -inf: the merge gives it weight 0
-        for j in visits:
-            k_j, v_j = read(load(layer, j), C)  # chunk [2, B, G, C, D] -> k, v [B, G, C, D]
-            if flash is not None:  # the common case, as attend_chunk would run it
-                o_j, lse_j = flash(q, k_j, v_j, scale=1.0)  # [B, G, R*T, D], [B, G, R*T]
-                part = (o_j if fp32 else o_j.float(), lse_j)
-            else:
-                visible = None
-                if W is not None and j * C <= self.length + T - 1 - W:  # the window's edge
-                    visible = visible_keys(q_pos, j * C + torch.arange(C, device=q.device), W)
-                part = attend_chunk(q, k_j, v_j, visible)
-            if release:
-                release(layer, j)  # its staging slot may be refilled
-            if kept is not None:  # the oracle merges only the chunks it keeps, once it saw all
-                kept.append(part)
-                continue
-            parts.append(part)
-            if len(parts) == group:
-                state = merge(state, *merge_group(parts))
-                parts = []
+        for js in chunk_groups(visits, size, edge):
+            for run in self.store.load_group(layer, js):  # one view, one call (CPU: a few)
+                k_n, v_n = self.layout.read_group(run)  # [n, *chunk shape] -> [n, B, G, C, D]
+                if js[0] in edge:
+                    visible = visible_keys(q_pos, js[0] * C + torch.arange(C, device=q.device), W)
+                    new = [attend_chunk(q, k_n[0], v_n[0], visible)]
+                else:
+                    new = attend_chunks(q, k_n, v_n)
+                if kept is not None:  # the oracle merges only the chunks it keeps, once it saw all
+                    kept += new
+                    continue
+                for part in new:
+                    parts.append(part)
+                    if len(parts) == group:
+                        state = merge(state, *merge_group(parts))
+                        parts = []
         if kept:  # in the groups an exact read of the same chunks makes
+            first = self.first[layer]
             lse = torch.stack([p[1] for p in kept])        # [n, B, G, R*T]
-            for j in self.selection.choose(layer, first, n, T, lse):
+            for j in self.selection.choose(layer, first, self.n_sealed, T, lse):
                 parts.append(kept[j - first])
                 if len(parts) == group:
                     state = merge(state, *merge_group(parts))
                     parts = []
-        parts.append(attend_open_chunk(q, *read(kv, off + T), off, R, W))  # k, v [B, G, off+T, D]
-        if state is None:  # one group: every decode step
-            o = merge_last(parts)
-        else:
-            o, _ = merge(state, *merge_group(parts))
-        return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
+        return state, parts
 
     def count(self, layer, first, n, read):
         """What this layer's attention reads of the n sealed chunks, and what it skips."""

@@ -40,6 +40,11 @@ class PlainLayout:
             return chunk.unbind(0)
         return chunk[0, :, :, :upto], chunk[1, :, :, :upto]
 
+    def read_group(self, chunks):
+        """(k, v) [n, B, G, C, D] of n sealed chunks held as one tensor [n, 2, B, G, C, D]:
+        views."""
+        return chunks[:, 0], chunks[:, 1]
+
 
 class Int8Layout:
     """K and V quantized symmetrically, one scale per token and kv head: a uint8 chunk
@@ -84,6 +89,17 @@ class Int8Layout:
         # int8 * fp32: one kernel; [2, B, G, upto, D]
         x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)
         return x[0], x[1]
+
+    def read_group(self, chunks):
+        """(k, v) [n, B, G, C, D] of n sealed chunks [n, 2, B, G, C, D + 4]: the same
+        elementwise arithmetic as read, in one multiply for the group."""
+        D = chunks.shape[-1] - self.S
+        scale = chunks[..., D:]                                       # [n, 2, B, G, C, 4] uint8
+        if any(st % self.S for st in scale.stride()[:-1]) or scale.storage_offset() % self.S:
+            scale = scale.contiguous()
+        x = torch.mul(chunks[..., :D].view(torch.int8), scale.view(torch.float32))
+        x = x.to(self.compute_dtype)                                  # [n, 2, B, G, C, D]
+        return x[:, 0], x[:, 1]
 
 
 class Int4Layout:
@@ -197,6 +213,13 @@ class Int4Layout:
         if cut < C:
             torch.addcmul(lo[:, :, -1], q[:, :, cut:, 0], scale[:, :, -1], out=k[:, :, cut:])
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    def read_group(self, chunks):
+        """(k, v) [n, B, G, C, D] of n sealed chunks [n, 1, B, G, C, D + 4 + E], each read as
+        read does."""
+        C = chunks.shape[4]
+        k, v = zip(*(self.read(c, C) for c in chunks.unbind(0)))
+        return torch.stack(k), torch.stack(v)
 
 
 def quantize_fp16_params(x, dim):

@@ -14,14 +14,14 @@ V at [1]). The store's verbs, in the order generate.forward calls them:
     prefetch(reads) start of a step: queue the chunks it reads that are off the device, in order
     open_chunk(l)   the device buffer that layer l writes this step's K and V into
     load(l, j)      chunk j of layer l, a device tensor (waits for its prefetch if it was staged)
+    load_group(l, js) consecutive chunks js of layer l as one [n, ...] tensor (one kernel call)
     release(l, j)   attention is done with it; its staging slot may be refilled
-    seal(j)         chunk j is full on every layer: it joins the window, and the chunk the
-                    placement (policy.py) evicts goes where the placement says
+    seal(j)         chunk j is full on every layer: joins the window; the placement's victim leaves
     close()         stop the workers, give back pinned memory, close the files
-The store decides nothing about which chunks a step reads (the cache's selection does) or which
-leave the device (the placement): it moves bytes. HostPool and Staging (pools.py) hold them; a
-reader thread (disk reads, zstd) and a writer thread (disk writes, the syncs a manifest needs) move
-them, apart so that a chunk boundary never delays the next prefetch.
+The store moves bytes; which chunks a step reads is the cache's selection, which leave the device
+the placement. DeviceChunks, HostPool and Staging (pools.py) hold them; a reader thread (disk
+reads, zstd) and a writer thread (disk writes, syncs) move them, so that a chunk boundary never
+delays the next prefetch.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream
 corrupts KV silently, so every wait is marked in the code as "rule N":
@@ -32,16 +32,14 @@ corrupts KV silently, so every wait is marked in the code as "rule N":
        finished, and refilled only after the copy out of it has finished;
     5. a buffer is reused (a device buffer given back to the pool) or freed only after the copies
        using it finish.
-Evictions and prefetches run on two streams, so neither queues behind the other. On CPU there are
-no streams ("device" and host are one memory): host and raw disk chunks are read in place (a disk
-chunk is a view of the mapped file: page cache, not the process's memory); with zstd the reader
-decompresses chunks into staging slots ahead of attention.
+Evictions and prefetches run on two streams, so neither queues behind the other. On CPU ("device"
+and host are one memory) host and raw disk chunks are read in place (a disk chunk is a view of the
+mapped file: page cache); with zstd the reader decompresses chunks into staging slots.
 """
 import queue
 import shutil
 import tempfile
 import threading
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -51,7 +49,7 @@ import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
 from policy import Placement, host_budget_refusal, plan_tiers
-from pools import DEVICE, DISK, Fence, HostPool, Loc, OffloadError, Staging, alloc_chunks, on_cuda
+from pools import DEVICE, DISK, DeviceChunks, Fence, HostPool, Loc, OffloadError, Staging, on_cuda
 from private import PrivateError, make_private_dir
 
 MODES = ("none", "cpu", "disk")
@@ -113,13 +111,13 @@ class TieredStore:
                       "kv_read": 0, "window_skipped": 0, "select_skipped": 0}
         self.count_lock = threading.Lock()
 
-        # the device tier: each layer's open chunk, the window, buffers given back by evictions
+        # the device tier: each layer's open chunk, the window, its buffers (self.chunks)
         self.open = [None] * n_layers
         self.resident = {}   # (layer, j) -> device chunk [2, B, G, C, D]
         self.on_device = [[] for _ in range(n_layers)]  # per layer: its resident j, ascending
-        self.free = deque()  # (device chunk, Fence): reusable once the fence has passed
         self.loc = {}        # (layer, j) -> Loc of every sealed chunk
-        self.device_buffers, self.peak_device_bytes = 0, 0
+        self.peak_device_bytes = 0
+        self.chunks = DeviceChunks(n_layers, self.n_chunks, shape, dtype, device, cfg.mode)
 
         # the host tier, sized to what the task can need (policy.plan_tiers)
         budget_slots = None
@@ -195,18 +193,7 @@ class TieredStore:
         elif self.disk is not None and order:
             # CPU, raw disk: attention reads the mapping in place; ask the OS to page in, ahead of
             # use, whatever it has evicted
-            self.reader.submit(self._advise, order)
-
-    def _advise(self, order):
-        """Reader thread: one fadvise per layer over the span of its disk chunks (the file keeps
-        them in order)."""
-        span = {}
-        for l, j in order:
-            if self.loc[(l, j)] is DISK:
-                first, last = span.get(l, (j, j))
-                span[l] = (min(first, j), max(last, j))
-        for l, (first, last) in span.items():
-            self.disk.advise(l, first, last)
+            self.reader.submit(self.disk.advise_chunks, [k for k in order if self.loc[k] is DISK])
 
     def _pump(self):
         st = self.staging
@@ -253,7 +240,7 @@ class TieredStore:
 
     def open_chunk(self, layer):
         if self.open[layer] is None:
-            self.open[layer] = self._device_buffer()
+            self.open[layer] = self._device_buffer(layer)
         return self.open[layer]
 
     def load(self, layer, j):
@@ -274,6 +261,27 @@ class TieredStore:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
         return self.staging.slots[slot]
+
+    def load_group(self, layer, js):
+        """Consecutive chunks js of layer as runs [n, *shape] covering js, each one view for one
+        call: CUDA one run (copied to the group buffer unless a view of the arena: the same calls
+        in every mode); CPU: runs at one stride in one buffer, a staged chunk alone, released."""
+        staged = self.staged and {self.loc[(layer, j)] for j in js} != {DEVICE}
+        if staged and not self.cuda:  # CPU, zstd: slot by slot
+            for j in js:
+                yield self.load(layer, j)[None]
+                self.release(layer, j)
+            return
+        chunks = None if staged else [self.load(layer, j) for j in js]  # in place
+        if chunks is not None:
+            bases = {"device": self.chunks.arena(layer), "host": self.host.flat,
+                     "disk": self.disk and not self.staged and self.disk.flat(layer)}
+            runs = self.chunks.runs(chunks, [bases[self.loc[(layer, j)].tier] for j in js])
+            if not self.cuda or len(runs) == 1:
+                yield from runs
+                return
+        yield self.chunks.gather(js, chunks, lambda j: self.load(layer, j),
+                                 lambda j: self.release(layer, j))
 
     def release(self, layer, j):
         if not self.staged or self.loc[(layer, j)] is DEVICE:
@@ -342,7 +350,7 @@ class TieredStore:
             else:
                 fence.future = self.written[(l, j)] = self.writer.submit(self._write, l, j, kv)
             self.loc[(l, j)] = DISK
-        self.free.append((kv, fence))
+        self.chunks.free.append((kv, fence))
 
     def _write(self, l, j, src):
         """Writer thread: store one chunk (the disk tier keeps its checksum for the manifest)."""
@@ -396,24 +404,17 @@ class TieredStore:
         e.record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
         return e
 
-    def _device_buffer(self):
-        if self.free:
-            kv, fence = self.free.popleft()
-            if fence.event is not None:
-                compute = torch.cuda.current_stream(self.device)
-                compute.wait_event(fence.event)  # rule 5: the copy out of it is done
-            if fence.future is not None:
-                fence.future.result()  # CPU: the writer has written it to disk
-            return kv
-        self.device_buffers += 1
+    def _device_buffer(self, layer):
+        kv = self.chunks.take(layer)
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
-        return alloc_chunks(1, self.shape, self.dtype, self.device)[1][0]
+        return kv
 
     # ---- accounting and lifecycle ----------------------------------------------------------------
 
     def device_bytes(self):
         """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
-        return (self.device_buffers + len(self.staging.slots)) * self.slot_bytes
+        slots = self.chunks.made + len(self.staging.slots) + self.chunks.group_slots
+        return slots * self.slot_bytes
 
     def snapshot(self, open_positions=0):
         """What a monitor may read, without reaching into the store: bytes moved so far, chunks per

@@ -57,6 +57,106 @@ def alloc_chunks(n, shape, dtype, device):
                   for i in range(n)]
 
 
+# the most consecutive chunks one kernel call reads (kvcache.chunk_groups): 16 x 512 positions, and
+# at most 16 chunks of device memory where a group must be copied to be one tensor
+GROUP_CHUNKS = 16
+
+
+def group_view(chunks, base):
+    """Chunks [*shape] of one dtype as one tensor [n, *shape] without a copy, when they sit at one
+    stride, in order, inside `base` (a flat uint8 tensor over their memory: a layer's device arena,
+    the host pool, a layer's mapped disk file); None when they do not."""
+    if base is None:
+        return None
+    first = chunks[0]
+    size = first.element_size()
+    step = chunks[1].data_ptr() - first.data_ptr() if len(chunks) > 1 else first.numel() * size
+    start = first.data_ptr() - base.data_ptr()
+    end = start + (len(chunks) - 1) * step + first.numel() * size
+    if (step < first.numel() * size or step % size or start < 0 or start % size
+            or end > base.numel() or not first.is_contiguous()
+            or any(c.data_ptr() != first.data_ptr() + i * step for i, c in enumerate(chunks))):
+        return None
+    typed = base[:base.numel() // size * size].view(first.dtype)  # [bytes / size]
+    return typed.as_strided((len(chunks), *first.shape), (step // size, *first.stride()),
+                            typed.storage_offset() + start // size)
+
+
+def chunk_runs(chunks, bases):
+    """chunks (each a tensor [*shape]) cut into runs that are each one view [n, *shape]
+    (group_view over the run's base, bases[i] being chunk i's buffer or None), in order."""
+    runs = []
+    start = 0
+    for i in range(1, len(chunks) + 1):
+        if i < len(chunks) and bases[i] is bases[start] and group_view(chunks[start:i + 1],
+                                                                          bases[start]) is not None:
+            continue
+        view = group_view(chunks[start:i], bases[start]) if i - start > 1 else None
+        runs.append(chunks[start][None] if view is None else view)
+        start = i
+    return runs
+
+
+class DeviceChunks:
+    """The device tier's chunk buffers. One at a time, which the store recycles as chunks leave;
+    or, with --offload none, every chunk of a layer side by side in one buffer, chunk
+    j in slot j (handed out in the order the layer opens them), so that a group of consecutive
+    chunks is one view for one kernel call (a layer's buffer is taken at its first chunk; on CPU
+    its pages are touched only as chunks fill). And the group buffer, GROUP_CHUNKS slots that a
+    group is copied into when it is not one view."""
+
+    def __init__(self, n_layers, n_chunks, shape, dtype, device, mode):
+        self.n_chunks = n_chunks
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        # per layer: its arena, flat uint8
+        self.flats = [None] * n_layers if mode == "none" else None
+        self.chunks = [[] for _ in range(n_layers)]
+        self.free = deque()  # (chunk, Fence) given back by the store: reusable once it passed
+        self.made = 0  # buffers made (the arenas' count as their chunks are handed out)
+        self.group = None  # [GROUP_CHUNKS, *shape], made at the first group that needs it
+        self.group_slots = 0
+        self.runs = chunk_runs
+
+    def take(self, layer):
+        """A chunk buffer for layer's next open chunk: one given back, else a new one."""
+        if self.free:
+            kv, fence = self.free.popleft()
+            if fence.event is not None:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(fence.event)  # rule 5: the copy out of it is done
+            if fence.future is not None:
+                fence.future.result()  # CPU: the writer has written it to disk
+            return kv
+        self.made += 1
+        if self.flats is None:
+            return alloc_chunks(1, self.shape, self.dtype, self.device)[1][0]
+        if self.flats[layer] is None:
+            self.flats[layer], chunks = alloc_chunks(self.n_chunks, self.shape, self.dtype,
+                                                     self.device)
+            self.chunks[layer] = chunks[::-1]  # popped from the end: slot 0 first
+        return self.chunks[layer].pop()
+
+    def arena(self, layer):
+        """The flat buffer of layer's chunks, or None without arenas."""
+        return None if self.flats is None else self.flats[layer]
+
+    def gather(self, js, chunks, load, release):
+        """Chunks js copied into the group buffer: [len(js), *shape]. chunks: those already loaded
+        (in place), or None: load(j) each (staged), released once copied."""
+        if self.group is None:
+            flat, slots = alloc_chunks(GROUP_CHUNKS, self.shape, self.dtype, self.device)
+            self.group = group_view(slots, flat)
+            self.group_slots = GROUP_CHUNKS
+        for i, j in enumerate(js):
+            # on the compute stream: load made it wait for a staged slot's copy, release marks
+            # the slot once this copy is issued
+            self.group[i].copy_(chunks[i] if chunks else load(j))
+            release(j)
+        return self.group[:len(js)]
+
+
 class HostPool:
     """`n` chunk slots in host memory, allocated once. With pin=True their exact bytes are
     page-locked by registering them with the CUDA driver, and unregistered at close(): torch's

@@ -11,8 +11,7 @@ there:
                              against their caller
     queue.Queue              -> ClockedQueue: a write bounce handed back (put, writer thread) orders
                              its next use (get)
-    alloc_chunks             registers every new chunk buffer (fresh memory: no history), in
-                             offload.py and pools.py
+    pools.alloc_chunks       registers every new chunk buffer (fresh memory: no history)
     TieredStore.__init__     names the buffers: staging slot i, host pool slot i, read bounce i,
                              write bounce i
     TieredStore.open_chunk   a compute WRITE of the open chunk (attention writes the step's K and V
@@ -126,7 +125,6 @@ def patches():
         (offload, "on_cuda", lambda device: True),
         (offload, "ThreadPoolExecutor", cuda_emu.ClockedExecutor),
         (offload, "queue", clocked_queue),
-        _wrap(offload, "alloc_chunks", after=_after_alloc),
         _wrap(pools, "alloc_chunks", after=_after_alloc),
         _wrap(S, "__init__", after=_after_init),
         _wrap(S, "open_chunk", after=_after_open),

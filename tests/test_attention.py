@@ -1,0 +1,152 @@
+"""
+Chunks attended a group at a time (issue 33): a run of chunks in one kernel call gives each chunk
+the partial a call of its own gives, bit for bit, whatever the run's stride in memory (so cutting a
+group into runs changes the count of calls, never a bit); the groups are a function of positions
+only; the store presents a group as one view where its chunks sit at one stride (the arena of
+--offload none, the host pool, the disk file) and the same bytes otherwise; the attention a step
+computes equals softmax attention written out from scratch.
+"""
+import math
+
+import pytest
+import torch
+
+from attention import attend_chunk, attend_chunks
+from kvcache import chunk_groups
+from kvlayout import Int8Layout, PlainLayout
+from offload import OffloadConfig, TieredStore
+from pools import alloc_chunks, chunk_runs, group_view
+
+G, R, D, C = 3, 3, 64, 32
+
+
+def chunks_at_stride(n, dtype, gap, seed=0):
+    """n chunks [2, 1, G, C, D] carved from one buffer, `gap` empty slots between neighbours."""
+    g = torch.Generator().manual_seed(seed)
+    flat, slots = alloc_chunks(n * (gap + 1), (2, 1, G, C, D), dtype, "cpu")
+    chunks = slots[::gap + 1]
+    for c in chunks:
+        c.copy_(torch.randn(c.shape, generator=g).to(dtype))
+    return flat, chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# a decode step, a speculative step's rows, a prefill chunk
+@pytest.mark.parametrize("T", [1, 4, C])
+@pytest.mark.parametrize("gap", [0, 2])   # side by side (the arena), or at a stride (the host pool)
+def test_a_run_gives_each_chunk_the_bits_of_its_own_call(dtype, T, gap):
+    n = 5
+    flat, chunks = chunks_at_stride(n, dtype, gap)
+    run = group_view(chunks, flat)                                   # [n, 2, 1, G, C, D], a view
+    assert run is not None and run.data_ptr() == chunks[0].data_ptr()
+    q = torch.randn(1, G, R * T, D, generator=torch.Generator().manual_seed(1)).to(dtype) * 0.1
+    k, v = PlainLayout(dtype).read_group(run)
+    parts = attend_chunks(q, k, v)
+    assert len(parts) == n
+    for (o, lse), c in zip(parts, chunks):
+        o_own, lse_own = attend_chunk(q, c[0], c[1])                 # one chunk, one call
+        assert torch.equal(o, o_own) and torch.equal(lse, lse_own)
+        # and both are attention: the matmul path, written out
+        s = (q.float() @ c[0].float().transpose(-1, -2))             # [1, G, R*T, C]
+        ref = torch.softmax(s, -1) @ c[1].float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(o, ref, atol=tol, rtol=tol)
+        assert torch.allclose(lse, torch.logsumexp(s, -1), atol=tol, rtol=tol)
+
+
+def test_int8_group_read_equals_chunk_by_chunk():
+    layout = Int8Layout(torch.float32)
+    flat, slots = alloc_chunks(3, layout.shape(1, G, C, D), layout.dtype, "cpu")
+    g = torch.Generator().manual_seed(4)
+    for s in slots:
+        k, v = (torch.randn(1, G, C, D, generator=g) for _ in range(2))
+        layout.write(s, 0, k, v)
+    k, v = layout.read_group(group_view(slots, flat))
+    for i, s in enumerate(slots):
+        k_i, v_i = layout.read(s, C)
+        assert torch.equal(k[i], k_i) and torch.equal(v[i], v_i)
+
+
+def test_groups_are_runs_inside_aligned_blocks():
+    assert chunk_groups(list(range(0, 11)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    # a selection's gaps cut runs; the window's edge chunk stands alone
+    assert chunk_groups([0, 1, 3, 4, 5, 9], 4) == [[0, 1], [3], [4, 5], [9]]
+    assert chunk_groups([2, 3, 4, 5], 16, alone={2}) == [[2], [3, 4, 5]]
+    assert chunk_groups([], 16) == []
+
+
+def test_runs_split_where_the_stride_breaks():
+    flat, chunks = chunks_at_stride(6, torch.float32, 0)
+    other = torch.zeros_like(chunks[0])
+    order = [chunks[0], chunks[1], other, chunks[3], chunks[4], chunks[5]]
+    bases = [flat, flat, None, flat, flat, flat]
+    runs = chunk_runs(order, bases)
+    assert [r.shape[0] for r in runs] == [2, 1, 3]
+    assert runs[0].data_ptr() == chunks[0].data_ptr() and runs[2].data_ptr() == chunks[3].data_ptr()
+    assert torch.equal(torch.cat(runs), torch.stack(order))
+    assert group_view([chunks[1], chunks[0]], flat) is None  # not in order: no view
+
+
+def fill(store, layer, n, seed=5):
+    """Seal n chunks of random K and V into store; returns them."""
+    g = torch.Generator().manual_seed(seed)
+    made = []
+    for j in range(n):
+        for l in range(store.n_layers):
+            kv = store.open_chunk(l)
+            kv.copy_(torch.randn(kv.shape, generator=g))
+            if l == layer:
+                made.append(kv.clone())
+        store.seal(j)
+    return made
+
+
+@pytest.mark.parametrize("mode", ["none", "cpu", "disk"])
+def test_the_store_presents_a_group_as_views_of_the_same_bytes(mode, tmp_path):
+    cfg = OffloadConfig(mode=mode, window=2, offload_dir=str(tmp_path))
+    store = TieredStore(shape=(2, 1, G, C, D), dtype=torch.float32, n_layers=2, max_length=10 * C,
+                        device="cpu", cfg=cfg)
+    try:
+        made = fill(store, 1, 9)
+        js = list(range(9))
+        store.prefetch([(1, j) for j in js])
+        runs = list(store.load_group(1, js))
+        assert torch.equal(torch.cat(runs), torch.stack(made))
+        if mode == "none":  # the arena: one view, no copy
+            assert len(runs) == 1 and runs[0].data_ptr() == store.resident[(1, 0)].data_ptr()
+        else:  # offloaded chunks in place in a run or two, the window's two chunks apart
+            assert len(runs) <= 4
+            assert store.chunks.group is None  # nothing copied on CPU
+    finally:
+        store.close()
+
+
+def test_a_decode_step_over_groups_is_attention(tmp_path):
+    """A cache's attend over 40 sealed chunks (three groups of GROUP_CHUNKS) equals softmax
+    attention over every position written out."""
+    from kvcache import KVCache
+    cfg = OffloadConfig(mode="none")
+    store = TieredStore(shape=(2, 1, G, C, D), dtype=torch.float32, n_layers=1,
+                        max_length=41 * C, device="cpu", cfg=cfg)
+    cache = KVCache(store, PlainLayout(torch.float32))
+    g = torch.Generator().manual_seed(6)
+    keys, values = [], []
+    try:
+        for _ in range(40):
+            cache.begin(C)
+            k, v = (torch.randn(1, G, C, D, generator=g) for _ in range(2))
+            cache.attend(0, torch.randn(1, G * R, C, D, generator=g), k, v)
+            keys.append(k)
+            values.append(v)
+            if cache.commit():
+                store.seal(cache.n_sealed - 1)
+        cache.begin(1, decode=True)
+        q, k, v = torch.randn(1, G * R, 1, D, generator=g), *(torch.randn(1, G, 1, D, generator=g)
+                                                               for _ in range(2))
+        out = cache.attend(0, q, k, v)
+        K = torch.cat(keys + [k], 2).repeat_interleave(R, 1)           # [1, H, 40*C + 1, D]
+        V = torch.cat(values + [v], 2).repeat_interleave(R, 1)
+        ref = torch.softmax(q @ K.transpose(-1, -2) / math.sqrt(D), -1) @ V
+        assert torch.allclose(out, ref, atol=1e-5)
+    finally:
+        store.close()

@@ -1,0 +1,40 @@
+"""
+Decode step times of a source tree at a few contexts, in a fresh process: the tree's model and
+cache, a cache filled by measure.probe.filled_cache (--offload none, chunk 512), 2 warm-up steps,
+then the median and the fastest of 8 (issue 33: before and after, interleaved).
+
+    python tools/decode_steps.py TREE fp32|bf16 1024,2048,6144 THREADS [int8|int4]
+"""
+import json
+import statistics
+import sys
+import time
+
+tree, dtype, contexts, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+quantize = sys.argv[5] if len(sys.argv) > 5 else None
+sys.path.insert(0, tree)
+import torch  # noqa: E402
+
+from generate import decode_one_token  # noqa: E402
+from measure.probe import filled_cache  # noqa: E402
+from model import Transformer  # noqa: E402
+
+torch.set_num_threads(threads)
+CKPT = "/work/llamacpp/ckpt-fp32"  # the SmolLM2-135M-shaped random checkpoint of the sweep
+model = Transformer.from_pretrained(CKPT, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[
+    dtype], quantize=quantize)
+out = {}
+for ctx in [int(c) for c in contexts.split(",")]:
+    cache = filled_cache(model, ctx, 512, 12)
+    token = torch.tensor([[3]])
+    for _ in range(2):
+        decode_one_token(model, cache, token)
+    times = []
+    for _ in range(8):
+        start = time.perf_counter()
+        decode_one_token(model, cache, token)
+        times.append(time.perf_counter() - start)
+    cache.store.close()
+    out[ctx] = {"median_ms": statistics.median(times) * 1e3, "fastest_ms": min(times) * 1e3}
+print(json.dumps({"tree": tree, "dtype": dtype, "quantize": quantize, "threads": threads,
+                  "steps": out}))
