@@ -80,10 +80,15 @@ def one_product(layer, x):
     w = layer.weight
     key = ("linear", type(layer), getattr(layer, "packing", None),
            getattr(layer, "group_size", None), tuple(w.shape), w.stride(), w.dtype,
-           w.data_ptr() % 64, layer.bias is not None, tuple(x.shape), x.stride(), x.dtype,
-           x.device, torch.get_num_threads())
+           w.data_ptr() % 64, _has_bias(layer), tuple(x.shape), x.stride(), x.dtype, x.device,
+           torch.get_num_threads())
     name = f"{type(layer).__name__} {tuple(w.shape)} {str(x.dtype).removeprefix('torch.')}"
     return _decide(key, lambda: _linear_agrees(layer, x), (name, tuple(x.shape[:2])))
+
+
+def _has_bias(layer):
+    """A layer of a kind this module does not know (tp.ShardedHead) may have no bias at all."""
+    return getattr(layer, "bias", None) is not None
 
 
 def decisions():
@@ -138,6 +143,8 @@ def _probe_layer(layer, g):
     """(a copy of layer, its weight replaced by one of the same kind, shape and layout that pairs
     input features with opposite signs; the pairs [2, K/2]), or None for a kind of layer this
     module does not know."""
+    if not hasattr(layer, "out_features"):  # not a linear this module knows (tp.ShardedHead)
+        return None
     N, K = layer.out_features, layer.in_features
     pairs = torch.randperm(K - K % 2, generator=g).view(2, -1)      # [2, K/2]
     probe = copy.copy(layer)  # its own parameters and buffers, the rest shared
@@ -181,7 +188,7 @@ def _linear_agrees(layer, x):
     B, T, K = x.shape
     w = layer.weight
     key = (type(layer), getattr(layer, "packing", None), getattr(layer, "group_size", None),
-           tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 64, layer.bias is not None)
+           tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 64, _has_bias(layer))
     if key not in _PROBES:  # one per kind, shape and layout of weight, whatever the row count
         _PROBES[key] = _probe_layer(layer, g)
     if _PROBES[key] is None:  # a kind of layer we cannot probe: keep its rows apart
