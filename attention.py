@@ -93,12 +93,11 @@ def attend_chunk(q, k, v, visible=None, fused=True):
 
 def attend_chunks(q, k, v):
     """The partials of n whole chunks in one kernel call: q [B, G, R*T, D] (scaled); k, v
-    [n, B, G, C, D], the chunks of one group (kvcache.chunk_groups). Returns n partials
-    [(o [B, G, R*T, D], lse [B, G, R*T]), ...] fp32, in the chunks' order. The chunks are the
-    kernel's batch: each batch element is computed apart from the others, so a chunk's partial has
-    the bits a call of its own gives (tests/test_attention.py checks it), for a fraction of the
-    fixed cost of a call (a decode step's few query rows read a chunk in about the time that cost
-    takes)."""
+    [n, B, G, C, D], the chunks of one group (kvcache.chunk_groups). Returns their stack (o [n, B,
+    G, R*T, D], lse [n, B, G, R*T]) fp32, in the chunks' order. The chunks are the kernel's batch:
+    each batch element is computed apart from the others, so a chunk's partial has the bits a call
+    of its own gives (tests/test_attention.py checks it), for a fraction of the fixed cost of a call
+    (a decode step's few query rows read a chunk in about the time that cost takes)."""
     n, B, G, C, D = k.shape
     RT = q.shape[2]
     qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]
@@ -111,7 +110,7 @@ def attend_chunks(q, k, v):
         o, lse = fused_cuda(qn.contiguous(), kn, vn)
     else:
         o, lse = attend_chunk(qn, kn, vn, fused=False)
-    return list(zip(o.view(n, B, G, RT, D).unbind(0), lse.view(n, B, G, RT).unbind(0)))
+    return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
 
 
 def attend_open_chunk(q, k, v, off, R, window=None):
@@ -165,37 +164,79 @@ def merge(state, o, lse):
     return o0.mul_(w0).add_(o.mul_(w)), total  # in place: o0, o are ours
 
 
+class Partials:
+    """The partials of one query block, in attention's order, merged every `group` of them (a
+    function of shapes only, so placement-free). Partials come as stacks (o [m, B, G, R*T, D],
+    lse [m, B, G, R*T]): a group's kernel call gives m at once, a lone call one; a stack is cut
+    where a merge falls, so the merges are the same however the partials came (one call, a run at a
+    time, a chunk at a time: speculate.py)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.state = None   # the merge of the earlier groups: (o [B, G, R*T, D], lse [B, G, R*T])
+        self.parts = []     # the stacks since
+        self.count = 0      # the partials in them
+
+    def add(self, o, lse):
+        """A stack of partials, o [m, B, G, R*T, D], lse [m, B, G, R*T] (ours: merged in place)."""
+        while o.shape[0]:
+            take = min(o.shape[0], self.group - self.count)
+            self.parts.append((o[:take], lse[:take]))
+            self.count += take
+            o, lse = o[take:], lse[take:]
+            if self.count == self.group:
+                self.state = merge(self.state, *merge_group(self.parts))
+                self.parts = []
+                self.count = 0
+
+    def add_one(self, o, lse):
+        """One partial, o [B, G, R*T, D], lse [B, G, R*T]."""
+        self.add(o[None], lse[None])
+
+    def output(self):
+        """The attention of the block over every partial added: o [B, G, R*T, D]."""
+        if self.state is None:  # one group: every decode step
+            return merge_last(self.parts)
+        if not self.parts:
+            return self.state[0]
+        return merge(self.state, *merge_group(self.parts))[0]
+
+
 def merge_group(parts):
-    """Many partials [(o [B, G, R*T, D], lse [B, G, R*T]), ...] of one query block merged at
-    once, exactly. The weights come from one softmax over the group's log-sum-exps; the weighted sum
-    is one stacked multiply and sum for a few query rows (a decode step: few kernels is what
-    counts), and n in-place multiply-adds for many rows (a prefill chunk: no stacked copy). Never a
-    matmul with n as its inner dimension: thousands of tiny GEMMs, ~10x slower. The branch depends
-    on shapes only, so placement still cannot change a bit."""
-    if len(parts) == 1:
-        return parts[0]
-    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
-    total = torch.logsumexp(lse, dim=-1)                           # [B, G, R*T]
-    w = torch.exp(lse - total.unsqueeze(-1))                       # [B, G, R*T, n]
-    return weighted_sum(parts, w), total
+    """Stacks of partials [(o [m, B, G, R*T, D], lse [m, B, G, R*T]), ...] of one query block
+    merged at once, exactly. The weights come from one softmax over the group's log-sum-exps; the
+    weighted sum is one multiply and sum over the stack for a few query rows (a decode step: few
+    kernels is what counts), and n in-place multiply-adds for many rows (a prefill chunk: no stacked
+    copy). Never a matmul with n as its inner dimension: thousands of tiny GEMMs, ~10x slower. The
+    branch depends on shapes only, so placement still cannot change a bit."""
+    lse = torch.cat([l for _, l in parts])                         # [n, B, G, R*T]
+    if lse.shape[0] == 1:
+        return parts[0][0][0], lse[0]
+    total = torch.logsumexp(lse, dim=0)                            # [B, G, R*T]
+    return weighted_sum(parts, torch.exp(lse - total)), total
 
 
 def merge_last(parts):
     """The output of a query block whose every partial is here (no earlier group to merge with:
     every decode step): its log-sum-exp is never needed, so the weights are one softmax."""
-    if len(parts) == 1:
-        return parts[0][0]
-    lse = torch.stack([l for _, l in parts], dim=-1)               # [B, G, R*T, n]
-    return weighted_sum(parts, torch.softmax(lse, dim=-1))
+    lse = torch.cat([l for _, l in parts])                         # [n, B, G, R*T]
+    if lse.shape[0] == 1:
+        return parts[0][0][0]
+    return weighted_sum(parts, torch.softmax(lse, dim=0))
 
 
 def weighted_sum(parts, w):
-    """sum over i of o_i * w[..., i]: a stacked multiply and sum for a few query rows, in-place
-    multiply-adds for many (the partials are ours)."""
-    if w.shape[2] <= 64:
-        o = torch.stack([o for o, _ in parts])                     # [n, B, G, R*T, D]
-        return (o * w.movedim(-1, 0).unsqueeze(-1)).sum(0)         # [B, G, R*T, D]
-    o = parts[0][0].mul_(w[..., :1])
-    for i in range(1, len(parts)):
-        o.add_(parts[i][0].mul_(w[..., i:i + 1]))
-    return o
+    """sum over i of o_i * w[i], w [n, B, G, R*T]: one stacked multiply and sum for a few query
+    rows, in-place multiply-adds for many (the partials are ours)."""
+    if w.shape[3] <= 64:
+        o = torch.cat([o for o, _ in parts])                       # [n, B, G, R*T, D]
+        return (o * w.unsqueeze(-1)).sum(0)                        # [B, G, R*T, D]
+    w = w.unsqueeze(-1)                                            # [n, B, G, R*T, 1]
+    out = None
+    i = 0
+    for o, _ in parts:
+        for o_i in o:
+            o_i.mul_(w[i])
+            out = o_i if out is None else out.add_(o_i)
+            i += 1
+    return out

@@ -42,13 +42,11 @@ import math
 import torch
 
 from attention import (
+    Partials,
     attend_chunk,
     attend_chunks,
     attend_open_chunk,
     first_visible_chunk,
-    merge,
-    merge_group,
-    merge_last,
     visible_keys,
 )
 from kvlayout import chunk_layout
@@ -180,20 +178,15 @@ class KVCache:
             self.visits[layer] = visits
             self.store.prefetch_more(self.reads())
         self.count(layer, first, n, len(visits))
-        state, parts = self.attend_sealed(layer, q, visits)
+        parts = self.attend_sealed(layer, q, visits)
         # k, v [B, G, off+T, D]
-        parts.append(attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W))
-        if state is None:  # one group: every decode step
-            o = merge_last(parts)
-        else:
-            o, _ = merge(state, *merge_group(parts))
-        return o.to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
+        parts.add_one(*attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W))
+        return parts.output().to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
 
     def attend_sealed(self, layer, q, visits):
         """The decode (or prefill) attention of one step's query rows q [B, G, R*T, D] (scaled)
-        over the sealed chunks `visits` of layer: (state, parts), the merged partials of the
-        earlier merge groups (None for a decode step: one group) and the partials left to merge
-        with the open chunk's. Chunks are read a group at a time (chunk_groups), each group one
+        over the sealed chunks `visits` of layer: their partials (attention.Partials), the open
+        chunk's still to add. Chunks are read a group at a time (chunk_groups), each group one
         tensor from the store and one kernel call; a group's partials are those of one chunk at a
         time bit for bit, so only the count of calls depends on the grouping. A speculative step
         of K+1 rows calls this as a one-token step does."""
@@ -210,10 +203,8 @@ class KVCache:
         # step's many rows), a function of shapes only
         size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (q.numel() * 4)))
         # partials per group merge: a function of shapes only, so placement-free
-        group = max(1, MERGE_GROUP_BYTES // (q.numel() * 4))
+        parts = Partials(max(1, MERGE_GROUP_BYTES // (q.numel() * 4)))
         kept = [] if self.decoding and self.selection.reads_all else None  # the oracle's
-        state = None
-        parts = []
         # every key of a sealed chunk is in the past. A row with no visible key in a chunk (the
         # window's edge) gets o 0 and lse -inf: the merge gives it weight 0
         for js in chunk_groups(visits, size, edge):
@@ -221,26 +212,21 @@ class KVCache:
                 k_n, v_n = self.layout.read_group(run)  # [n, *chunk shape] -> [n, B, G, C, D]
                 if js[0] in edge:
                     visible = visible_keys(q_pos, js[0] * C + torch.arange(C, device=q.device), W)
-                    new = [attend_chunk(q, k_n[0], v_n[0], visible)]
+                    o, lse = attend_chunk(q, k_n[0], v_n[0], visible)
+                    new = (o[None], lse[None])
                 else:
-                    new = attend_chunks(q, k_n, v_n)
+                    new = attend_chunks(q, k_n, v_n)   # [n, B, G, R*T, D], [n, B, G, R*T]
                 if kept is not None:  # the oracle merges only the chunks it keeps, once it saw all
-                    kept += new
-                    continue
-                for part in new:
-                    parts.append(part)
-                    if len(parts) == group:
-                        state = merge(state, *merge_group(parts))
-                        parts = []
+                    kept.append(new)
+                else:
+                    parts.add(*new)
         if kept:  # in the groups an exact read of the same chunks makes
             first = self.first[layer]
-            lse = torch.stack([p[1] for p in kept])        # [n, B, G, R*T]
+            o = torch.cat([o for o, _ in kept])            # [n, B, G, R*T, D]
+            lse = torch.cat([lse for _, lse in kept])      # [n, B, G, R*T]
             for j in self.selection.choose(layer, first, self.n_sealed, T, lse):
-                parts.append(kept[j - first])
-                if len(parts) == group:
-                    state = merge(state, *merge_group(parts))
-                    parts = []
-        return state, parts
+                parts.add(o[j - first:j - first + 1], lse[j - first:j - first + 1])
+        return parts
 
     def count(self, layer, first, n, read):
         """What this layer's attention reads of the n sealed chunks, and what it skips."""

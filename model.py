@@ -28,7 +28,7 @@ from checkpoint import (
     read_config,
 )
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
-from rowwise import linear, rows
+from rowwise import Linear, linear, rows
 
 # -----------------------------------------------------------------------------
 # config
@@ -219,10 +219,10 @@ class Attention(nn.Module):
         G = model_args.n_kv_heads
         D = model_args.head_dim
         E = model_args.dim
-        self.wq = nn.Linear(E, H * D, bias=model_args.qkv_bias)
-        self.wk = nn.Linear(E, G * D, bias=model_args.qkv_bias)
-        self.wv = nn.Linear(E, G * D, bias=model_args.qkv_bias)
-        self.wo = nn.Linear(H * D, E, bias=model_args.o_bias)
+        self.wq = Linear(E, H * D, bias=model_args.qkv_bias)
+        self.wk = Linear(E, G * D, bias=model_args.qkv_bias)
+        self.wv = Linear(E, G * D, bias=model_args.qkv_bias)
+        self.wo = Linear(H * D, E, bias=model_args.o_bias)
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
@@ -254,9 +254,9 @@ class FeedForward(nn.Module):
         super().__init__()
         dim, hidden_dim = model_args.dim, model_args.hidden_dim  # E, F
         bias = model_args.mlp_bias
-        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)  # gate_proj
-        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)  # up_proj
-        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)  # down_proj
+        self.w1 = Linear(dim, hidden_dim, bias=bias)  # gate_proj
+        self.w3 = Linear(dim, hidden_dim, bias=bias)  # up_proj
+        self.w2 = Linear(hidden_dim, dim, bias=bias)  # down_proj
 
     def forward(self, x):
         gate_up = rows(swiglu, "swiglu", linear(self.w1, x), linear(self.w3, x))  # [B, T, F]
@@ -283,7 +283,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
         self.layers = nn.ModuleList(Block(model_args) for _ in range(model_args.n_layers))
         self.norm = RMSNorm(model_args.dim, model_args.norm_eps)
-        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        self.output = Linear(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         inv_freq = rope_inv_freq(model_args)  # [D/2] fp32

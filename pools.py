@@ -84,15 +84,19 @@ def group_view(chunks, base):
 
 def chunk_runs(chunks, bases):
     """chunks (each a tensor [*shape]) cut into runs that are each one view [n, *shape]
-    (group_view over the run's base, bases[i] being chunk i's buffer or None), in order."""
+    (group_view over the run's base, bases[i] being chunk i's buffer or None), in order. A run is
+    the chunks that follow at one stride in one base, found in one pass (a decode step cuts every
+    layer's groups: this is its hot loop); a run group_view refuses is its chunks one by one."""
     runs = []
     start = 0
+    ptrs = [c.data_ptr() for c in chunks]
     for i in range(1, len(chunks) + 1):
-        if i < len(chunks) and bases[i] is bases[start] and group_view(chunks[start:i + 1],
-                                                                          bases[start]) is not None:
+        step = ptrs[start + 1] - ptrs[start] if start + 1 < len(chunks) else 0
+        if (i < len(chunks) and bases[i] is bases[start] and bases[i] is not None
+                and ptrs[i] == ptrs[start] + (i - start) * step):
             continue
         view = group_view(chunks[start:i], bases[start]) if i - start > 1 else None
-        runs.append(chunks[start][None] if view is None else view)
+        runs += [c[None] for c in chunks[start:i]] if view is None else [view]
         start = i
     return runs
 

@@ -39,15 +39,51 @@ Measured on this project's build machine (AMD EPYC, AVX2, torch 2.13, 1 and 2 th
 statistic and SiLU times up of the model's widths pass; fp32 products never do, and fp32 SiLU of a
 width that is not a multiple of 16 fails once the threads split it. The key includes the thread
 count, so each is decided for the threads it runs with.
+
+One row alone (a decode step's product) has its own path too, `Linear`: on CPU in fp32 the
+library's one-row product runs on one thread, at a third of the machine's read bandwidth, so the
+weight is cut into blocks of output rows, one batched call that the threads share (measured in
+docs/performance.md). Its bits are its own, and the same in every run, whatever the thread count:
+the blocks are a function of the weight's shape only, and the rows above keep that call as "alone".
 """
 import copy
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
+SPLIT_BLOCKS = 16
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose product of one row on CPU in fp32 is one batched product of the weight's
+    blocks of output rows: [1, K] x [N, K] as [n, N/n, K] x [K, 1], n a function of N only."""
+
+    def forward(self, x):
+        w = self.weight                                            # [N, K]
+        n = split_blocks(w.shape[0])
+        if (n == 1 or x.numel() != w.shape[1] or w.dtype != torch.float32 or not w.is_cpu
+                or not w.is_contiguous() or x.dtype != w.dtype):
+            return F.linear(x, w, self.bias)
+        # [n, K, 1] over one copy of x, strides (0, 1, K): a column the library reads as one (a
+        # column of strides (0, 1, 1) takes a path three times slower)
+        col = x.reshape(1, -1).t().expand(n, -1, 1)
+        y = torch.bmm(w.view(n, -1, w.shape[1]), col)              # [n, N/n, 1]
+        y = y.view(*x.shape[:-1], w.shape[0])                      # [..., N]
+        return y if self.bias is None else y + self.bias
+
+
+def split_blocks(N):
+    """Linear's blocks for N output rows: the most, up to SPLIT_BLOCKS, a power of two dividing N
+    with SPLIT_ROWS rows or more each (1: no split, a small weight reads fast enough)."""
+    n = 1
+    while n < SPLIT_BLOCKS and N % (2 * n) == 0 and N // (2 * n) >= SPLIT_ROWS:
+        n *= 2
+    return n
 
 
 def linear(layer, x):

@@ -32,12 +32,10 @@ import torch
 
 from attention import (
     FLASH_CPU,
+    Partials,
     attend_chunk,
     attend_open_chunk,
     first_visible_chunk,
-    merge,
-    merge_group,
-    merge_last,
     visible_keys,
 )
 from generate import Sampling, decode_one_token, prefill, sample
@@ -88,17 +86,18 @@ def attend_rows(cache, layer, q, k, v):
     cache.layout.write(kv, off, k.transpose(0, 2), v.transpose(0, 2))  # [1, G, N, D]
     # [N, H, 1, D] scaled at once (elementwise: each element's bits as its own step's)
     q = q * (1.0 / math.sqrt(D))
+    # partials per merge, as the row's own step makes them: its q is [1, G, R, D]
+    group = max(1, MERGE_GROUP_BYTES // (G * R * D * 4))
     rows = []
     for i in range(N):
         p = cache.length + i
         q_i = q[i:i + 1].view(1, G, R, 1, D).reshape(1, G, R, D)  # [1, H, 1, D] -> [1, G, R, D]
         q_pos = None if W is None else p + torch.zeros(R, dtype=torch.long, device=q.device)
-        rows.append(Row(q_i, p, first_visible_chunk(W, p, C), q_pos))
+        rows.append(Row(q_i, p, first_visible_chunk(W, p, C), q_pos, group))
     visits = cache.visits[layer]  # the union: every row's visible chunks (row 0 sees furthest)
     cache.count(layer, cache.first[layer], cache.n_sealed, len(visits))
     flash = FLASH_CPU if W is None and q.is_cpu else None
     fp32 = q.dtype == torch.float32
-    group = max(1, MERGE_GROUP_BYTES // (rows[0].q.numel() * 4))
     release = cache.store.release if cache.store.staged else None
     for j in visits:
         k_j, v_j = cache.layout.read(cache.store.load(layer, j), C)  # [1, G, C, D] each
@@ -113,18 +112,15 @@ def attend_rows(cache, layer, q, k, v):
                 if W is not None and j * C <= row.p - W:  # the window's edge
                     visible = visible_keys(row.q_pos, j * C + torch.arange(C, device=q.device), W)
                 part = attend_chunk(row.q, k_j, v_j, visible)
-            row.add(part, group)
+            row.parts.add_one(*part)
         if release:
             release(layer, j)
     out = []
     for i, row in enumerate(rows):
         # the open chunk up to this row's own offset: k, v [1, G, off+i+1, D]
-        row.parts.append(attend_open_chunk(row.q, *cache.layout.read(kv, off + i + 1), off + i, R,
-                                           W))
-        if row.state is None:
-            o = merge_last(row.parts)
-        else:
-            o, _ = merge(row.state, *merge_group(row.parts))
+        row.parts.add_one(*attend_open_chunk(row.q, *cache.layout.read(kv, off + i + 1), off + i,
+                                             R, W))
+        o = row.parts.output()
         out.append(o.to(q.dtype).view(1, G, R, 1, D).reshape(1, H, 1, D))
     return torch.cat(out)  # [N, H, 1, D]
 
@@ -132,16 +128,9 @@ def attend_rows(cache, layer, q, k, v):
 class Row:
     """One position's partials in a verify step, merged in the groups its own step makes."""
 
-    def __init__(self, q, p, first, q_pos):
+    def __init__(self, q, p, first, q_pos, group):
         self.q, self.p, self.first, self.q_pos = q, p, first, q_pos
-        self.parts = []
-        self.state = None
-
-    def add(self, part, group):
-        self.parts.append(part)
-        if len(self.parts) == group:
-            self.state = merge(self.state, *merge_group(self.parts))
-            self.parts = []
+        self.parts = Partials(group)
 
 
 @torch.inference_mode()

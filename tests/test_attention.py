@@ -41,9 +41,9 @@ def test_a_run_gives_each_chunk_the_bits_of_its_own_call(dtype, T, gap):
     assert run is not None and run.data_ptr() == chunks[0].data_ptr()
     q = torch.randn(1, G, R * T, D, generator=torch.Generator().manual_seed(1)).to(dtype) * 0.1
     k, v = PlainLayout(dtype).read_group(run)
-    parts = attend_chunks(q, k, v)
-    assert len(parts) == n
-    for (o, lse), c in zip(parts, chunks):
+    o_n, lse_n = attend_chunks(q, k, v)                             # the stack of n partials
+    assert o_n.shape[0] == lse_n.shape[0] == n
+    for o, lse, c in zip(o_n, lse_n, chunks):
         o_own, lse_own = attend_chunk(q, c[0], c[1])                 # one chunk, one call
         assert torch.equal(o, o_own) and torch.equal(lse, lse_own)
         # and both are attention: the matmul path, written out
