@@ -28,7 +28,7 @@ from checkpoint import (
     read_config,
 )
 from rope import override_block, rope_attention_factor, rope_from_config, rope_inv_freq
-from rowwise import Linear, linear, rows
+from rowwise import Joint, Linear, linear, rows
 
 # -----------------------------------------------------------------------------
 # config
@@ -223,14 +223,15 @@ class Attention(nn.Module):
         self.wk = Linear(E, G * D, bias=model_args.qkv_bias)
         self.wv = Linear(E, G * D, bias=model_args.qkv_bias)
         self.wo = Linear(H * D, E, bias=model_args.o_bias)
+        self.qkv = None  # wq, wk, wv as one product once loaded (rowwise.Joint)
 
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
         D = self.args.head_dim
         # the heads are counted from the projections: a tensor-parallel rank holds a share of them
-        q = linear(self.wq, x).view(B, T, -1, D).transpose(1, 2)  # [B, H, T, D]
-        k = linear(self.wk, x).view(B, T, -1, D).transpose(1, 2)  # [B, G, T, D]
-        v = linear(self.wv, x).view(B, T, -1, D).transpose(1, 2)  # [B, G, T, D]
+        qkv = self.qkv(x) if self.qkv else [linear(w, x) for w in (self.wq, self.wk, self.wv)]
+        # [B, H, T, D], [B, G, T, D], [B, G, T, D]
+        q, k, v = (y.reshape(B, T, -1, D).transpose(1, 2) for y in qkv)
         H = q.shape[1]
         G = k.shape[1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -257,9 +258,11 @@ class FeedForward(nn.Module):
         self.w1 = Linear(dim, hidden_dim, bias=bias)  # gate_proj
         self.w3 = Linear(dim, hidden_dim, bias=bias)  # up_proj
         self.w2 = Linear(hidden_dim, dim, bias=bias)  # down_proj
+        self.gate_up = None  # w1, w3 as one product once loaded (rowwise.Joint)
 
     def forward(self, x):
-        gate_up = rows(swiglu, "swiglu", linear(self.w1, x), linear(self.w3, x))  # [B, T, F]
+        gate, up = self.gate_up(x) if self.gate_up else (linear(self.w1, x), linear(self.w3, x))
+        gate_up = rows(swiglu, "swiglu", gate, up)  # [B, T, F]
         return linear(self.w2, gate_up)  # [B, T, E]
 
 
@@ -365,7 +368,16 @@ class Transformer(nn.Module):
             # re-tie: the tie was made on the meta device
             model.output.weight = model.tok_embeddings.weight
         model.inv_freq = rope_inv_freq(model_args).to(device)
-        return model.eval()
+        return join_projections(model).eval()
+
+
+def join_projections(model):
+    """q, k, v and gate, up as one product each (rowwise.Joint): one call a step, not five."""
+    for block in model.layers:
+        a, f = block.attention, block.feed_forward
+        a.qkv = Joint.of([a.wq, a.wk, a.wv])
+        f.gate_up = Joint.of([f.w1, f.w3])
+    return model
 
 
 # -----------------------------------------------------------------------------

@@ -77,6 +77,52 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class Joint:
+    """Linears that read the same input (q, k, v; gate and up) as one product: their weights (and
+    biases) are moved side by side into one buffer [N_1 + N_2 + ..., K] and become views of it, so
+    a step makes one call instead of several (a decode step's calls cost more than their bytes).
+    The bits are the joint product's, in every call, whatever the rows: linear() keeps its rows as
+    its lone call. While a layer's weight is no longer its view (tensor parallel shards it in
+    place), each layer is its own product again."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.sizes = [l.out_features for l in layers]
+        w = torch.cat([l.weight for l in layers])                  # [sum N, K]
+        bias = layers[0].bias is not None
+        self.layer = Linear(w.shape[1], w.shape[0], bias=bias, device="meta")
+        self.layer.weight = nn.Parameter(w, requires_grad=False)
+        if bias:
+            self.layer.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
+        start = 0
+        for l, n in zip(layers, self.sizes):
+            l.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+            if bias:
+                l.bias = nn.Parameter(self.layer.bias[start:start + n], requires_grad=False)
+            start += n
+        self.views = self.placed()
+
+    @classmethod
+    def of(cls, layers):
+        """A Joint of layers, or None where they cannot be one (a quantized kind, mixed dtypes,
+        devices or biases)."""
+        if not all(type(l) is Linear for l in layers):
+            return None
+        kinds = {(l.weight.dtype, l.weight.device, l.in_features, l.bias is not None)
+                 for l in layers}
+        return cls(layers) if len(kinds) == 1 else None
+
+    def placed(self):
+        """Where and how large each layer's weight is: its view of the buffer, or not."""
+        return [(l.weight.data_ptr(), tuple(l.weight.shape)) for l in self.layers]
+
+    def __call__(self, x):
+        """[linear(layer, x) for each layer], as one product while the weights are its views."""
+        if self.placed() != self.views:
+            return [linear(l, x) for l in self.layers]
+        return linear(self.layer, x).split(self.sizes, dim=-1)
+
+
 def split_blocks(N):
     """Linear's blocks for N output rows: the most, up to SPLIT_BLOCKS, a power of two dividing N
     with SPLIT_ROWS rows or more each (1: no split, a small weight reads fast enough)."""

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from checkpoint import CheckpointError, checkpoint_files, read_config
-from model import ModelArgs, Transformer, check_complete, expected
+from model import ModelArgs, Transformer, check_complete, expected, join_projections
 from rope import rope_inv_freq
 
 VOCAB_MODES = ("shard", "replicate")
@@ -383,7 +383,7 @@ def load_sharded(ckpt_dir, layout, device="cpu", dtype=torch.float32, vocab="sha
         model.output.weight = model.tok_embeddings.weight  # the same rows, sharded the same way
     _wire(model, s, layout)
     model.inv_freq = rope_inv_freq(model_args).to(device)
-    return model.eval()
+    return join_projections(model).eval()  # this rank's shares, as from_pretrained joins all
 
 
 def _wire(model, s, layout):

@@ -67,11 +67,15 @@ def instrument(model, cache, spent):
             reads["norms"] += nbytes(norm)
         block.attention.forward = clocked(block.attention.forward, "attention", spent)
         block.feed_forward.forward = clocked(block.feed_forward.forward, "mlp", spent)
+        joints = {"q, k, v": block.attention.qkv, "gate, up": block.feed_forward.gate_up}
         for part, names in LINEARS.items():
             for name in names:
                 lin = block.get_submodule(name)
                 lin.forward = clocked(lin.forward, part, spent)
                 reads[part] += nbytes(lin)
+            if joints.get(part):  # one product over the part's weights (rowwise.Joint)
+                joint = joints[part].layer
+                joint.forward = clocked(joint.forward, part, spent)
     cache.attend = clocked(cache.attend, "attend", spent)
     model.norm.forward = clocked(model.norm.forward, "head norm", spent)
     model.output.forward = clocked(model.output.forward, "output", spent)
