@@ -1,0 +1,101 @@
+"""
+The products a decode step makes (rowwise.Linear, rowwise.Joint) and the merge of stacked partials
+(attention.Partials): each checked against an independent reference (float64 arithmetic), and the
+bit-for-bit promises they carry (the same bits whatever the thread count, however a stack of
+partials arrives).
+"""
+import torch
+import torch.nn.functional as F
+
+from attention import Partials, attend_chunk
+from rowwise import Joint, Linear, linear, split_blocks
+
+
+def test_blocks_are_a_function_of_the_rows_only():
+    assert split_blocks(1536) == 16 and split_blocks(576) == 8 and split_blocks(192) == 2
+    assert split_blocks(64) == 1 and split_blocks(100) == 1 and split_blocks(49152) == 16
+    for n in (128, 960, 3072, 4096, 14336):
+        b = split_blocks(n)
+        assert n % b == 0 and n // b >= 64 and b <= 16
+
+
+def test_one_row_product_is_the_product_and_the_same_at_any_thread_count():
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(576, 1536, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1536, 576, generator=g))
+        lin.bias.copy_(torch.randn(1536, generator=g))
+    x = torch.randn(1, 1, 576, generator=g)
+    ref = x.double() @ lin.weight.double().t() + lin.bias.double()            # [1, 1, 1536]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+        torch.set_num_threads(2)
+        two = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (1, 1, 1536)
+    assert torch.allclose(one.double(), ref, atol=1e-3, rtol=1e-5)
+    assert torch.equal(one, two)
+    # several rows, and bf16, take the library's product itself
+    xs = torch.randn(3, 1, 576, generator=g)
+    assert torch.equal(lin(xs), F.linear(xs, lin.weight, lin.bias))
+    lin16 = Linear(576, 1536, bias=False).to(torch.bfloat16)
+    assert torch.equal(lin16(x.bfloat16()), F.linear(x.bfloat16(), lin16.weight))
+
+
+def test_joint_is_one_product_and_falls_back_when_a_weight_moves():
+    g = torch.Generator().manual_seed(1)
+    layers = [Linear(64, n, bias=True) for n in (128, 32, 32)]
+    with torch.no_grad():
+        for lin in layers:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+    x = torch.randn(1, 1, 64, generator=g)
+    refs = [x.double() @ lin.weight.double().t() + lin.bias.double() for lin in layers]
+    joint = Joint.of(layers)
+    assert joint is not None
+    # the layers' weights are views of the joint buffer, with the values they had
+    assert layers[1].weight.data_ptr() == joint.layer.weight.data_ptr() + 128 * 64 * 4
+    outs = joint(x)
+    assert [o.shape[-1] for o in outs] == [128, 32, 32]
+    whole = linear(joint.layer, x)
+    for o, ref, part in zip(outs, refs, whole.split([128, 32, 32], -1)):
+        assert torch.equal(o, part)
+        assert torch.allclose(o.double(), ref, atol=1e-4, rtol=1e-5)
+    # a weight replaced (tensor parallel shards in place): each layer is its own product again
+    layers[0].weight = torch.nn.Parameter(layers[0].weight[:64].clone(), requires_grad=False)
+    layers[0].bias = torch.nn.Parameter(layers[0].bias[:64].clone(), requires_grad=False)
+    outs = joint(x)
+    assert outs[0].shape[-1] == 64
+    assert torch.equal(outs[0], linear(layers[0], x))
+    # kinds that cannot be joined
+    assert Joint.of([Linear(64, 32), Linear(32, 32)]) is None
+    assert Joint.of([Linear(64, 32), Linear(64, 32, bias=False)]) is None
+
+
+def test_partials_give_the_same_bits_however_the_stack_arrives_and_are_attention():
+    g = torch.Generator().manual_seed(2)
+    G, R, D, C, n = 2, 3, 16, 32, 7
+    q = torch.randn(1, G, R, D, generator=g) / D ** 0.5
+    k = torch.randn(n, 1, G, C, D, generator=g)
+    v = torch.randn(n, 1, G, C, D, generator=g)
+    parts = [attend_chunk(q, k[j], v[j]) for j in range(n)]              # one call each
+    o = torch.stack([p[0] for p in parts])                              # [n, 1, G, R, D]
+    lse = torch.stack([p[1] for p in parts])                            # [n, 1, G, R]
+    for group in (1, 3, n, 100):
+        outs = []
+        for cuts in ([n], [1] * n, [2, 4, 1], [5, 2]):
+            p = Partials(group)
+            start = 0
+            for m in cuts:
+                p.add(o[start:start + m].clone(), lse[start:start + m].clone())
+                start += m
+            outs.append(p.output())
+        assert all(torch.equal(outs[0], x) for x in outs[1:]), group
+        # attention over all n * C keys, in float64
+        kk = k.double().permute(1, 2, 0, 3, 4).reshape(1, G, n * C, D)
+        vv = v.double().permute(1, 2, 0, 3, 4).reshape(1, G, n * C, D)
+        ref = torch.softmax(q.double() @ kk.transpose(-1, -2), -1) @ vv   # [1, G, R, D]
+        assert torch.allclose(outs[0].double(), ref, atol=1e-5), group
