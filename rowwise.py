@@ -65,9 +65,11 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
+        if (x.numel() != w.shape[1] or w.dtype != torch.float32 or x.dtype != w.dtype
+                or not w.is_cpu or not w.is_contiguous()):
+            return F.linear(x, w, self.bias)
         n = split_blocks(w.shape[0])
-        if (n == 1 or x.numel() != w.shape[1] or w.dtype != torch.float32 or not w.is_cpu
-                or not w.is_contiguous() or x.dtype != w.dtype):
+        if n == 1:
             return F.linear(x, w, self.bias)
         # [n, K, 1] over one copy of x, strides (0, 1, K): a column the library reads as one (a
         # column of strides (0, 1, 1) takes a path three times slower)
@@ -82,8 +84,8 @@ class Joint:
     biases) are moved side by side into one buffer [N_1 + N_2 + ..., K] and become views of it, so
     a step makes one call instead of several (a decode step's calls cost more than their bytes).
     The bits are the joint product's, in every call, whatever the rows: linear() keeps its rows as
-    its lone call. While a layer's weight is no longer its view (tensor parallel shards it in
-    place), each layer is its own product again."""
+    its lone call. Once a layer's weight is no longer its view (a parameter replaced after the
+    join, as `.to()` does), each layer is its own product again."""
 
     def __init__(self, layers):
         self.layers = layers
