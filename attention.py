@@ -22,6 +22,7 @@ import torch
 # chunk lives, so the choice cannot break bit-identity.
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
+QUERY_ROWS = 4   # a sealed chunk's visit has at least this many query rows (attend_few)
 
 
 def fused_cuda(q, k, v):
@@ -111,6 +112,27 @@ def attend_chunks(q, k, v):
     else:
         o, lse = attend_chunk(qn, kn, vn, fused=False)
     return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
+
+
+def attend_few(q, k, v):
+    """attend_chunks for a step of few query rows: q [B, G, R*T, D] padded with zero rows to
+    QUERY_ROWS, the stack cut back to its R*T rows, contiguous. A step of several positions
+    (speculate.attend_rows) can then put its positions' rows in one call and give each position
+    the bits of its own step, where the kernel's rows are their own bits from QUERY_ROWS rows up
+    (rowwise.shared_rows decides on probes): on this project's CPU the fused kernel takes one path
+    for 1-3 rows and another, the same for every row, from 4 (measured, docs/speculation.md)."""
+    RT = q.shape[2]
+    o, lse = attend_chunks(pad_rows(q, QUERY_ROWS), k, v)         # [n, B, G, max(RT, 4), ...]
+    # contiguous whatever the kernel's layout (its lse may come transposed): the merges after
+    # see the same strides in every call
+    return o[..., :RT, :].contiguous(), lse[..., :RT].contiguous()
+
+
+def pad_rows(q, rows):
+    """q [..., RT, D] with zero rows appended up to `rows` rows (q itself if it has as many)."""
+    if q.shape[-2] >= rows:
+        return q
+    return torch.nn.functional.pad(q, (0, 0, 0, rows - q.shape[-2]))
 
 
 def attend_open_chunk(q, k, v, off, R, window=None):

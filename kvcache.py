@@ -44,7 +44,7 @@ import torch
 from attention import (
     Partials,
     attend_chunk,
-    attend_chunks,
+    attend_few,
     attend_open_chunk,
     first_visible_chunk,
     visible_keys,
@@ -215,7 +215,7 @@ class KVCache:
                     o, lse = attend_chunk(q, k_n[0], v_n[0], visible)
                     new = (o[None], lse[None])
                 else:
-                    new = attend_chunks(q, k_n, v_n)   # [n, B, G, R*T, D], [n, B, G, R*T]
+                    new = attend_few(q, k_n, v_n)      # [n, B, G, R*T, D], [n, B, G, R*T]
                 if kept is not None:  # the oracle merges only the chunks it keeps, once it saw all
                     kept.append(new)
                 else:

@@ -19,7 +19,8 @@ So each operation a step shares across rows is kept row-invariant in one of thre
   neg, a cast, a copy) gives an element the same bits whatever kernel, vector width or thread split
   computes it: the residual adds, RoPE's rotation (separate mul and add, no fused multiply-add), the
   norm's scaling, a linear's bias, the embedding (a gather) and the fp32 cast of the logits need
-  nothing here. Attention runs per task (kvcache.BatchedCaches).
+  nothing here. Attention runs per task (kvcache.BatchedCaches); a speculative step's positions
+  share a chunk's kernel call only where `shared_rows` vouches for it.
 - A check that a reordering cannot pass (`linear`, `rows`): decided once per kind of operation,
   weight shape and layout, input shape and layout, dtype, device and thread count, on probes built
   to expose any change of summation order, every row compared with its lone call, and a single
@@ -30,21 +31,24 @@ So each operation a step shares across rows is kept row-invariant in one of thre
   the product above 96% of such outputs differ, so one probe of B x N outputs cannot miss it. A
   row function (the norm's statistic, SiLU times the up projection) is probed with values of
   magnitudes 2^-8 to 2^8 at every position, ROW_TRIALS times.
-- Rows one at a time where the check fails: each row's call is then exactly the lone one (a fresh
-  copy of the row, so even its alignment is the lone one's). A linear then reads its weight once
-  per row (from the cache after the first, for a layer that fits), so an fp32 batch saves no weight
-  reads; the measured cost is in docs/batches.md.
-Measured on this project's build machine (AMD EPYC, AVX2, torch 2.13, 1 and 2 threads, rows 1 to
-16 and T 1, 3, 9): bf16 products (torch's own dot kernel), the int8 and int4 kernels, the norm's
-statistic and SiLU times up of the model's widths pass; fp32 products never do, and fp32 SiLU of a
-width that is not a multiple of 16 fails once the threads split it. The key includes the thread
-count, so each is decided for the threads it runs with.
+- Rows a few at a time, or one at a time, where the check fails: `linear` tries groups of
+  SPLIT_COLUMNS rows down to 2 (each group size checked as above), then each row's call is exactly
+  the lone one (a fresh copy of the row, so even its alignment is the lone one's). A linear then
+  reads its weight once per group or row (from the cache after the first, for a layer that fits);
+  the measured cost is in docs/batches.md.
+Measured on this project's build machine (AMD EPYC, AVX2, torch 2.13, 1 and 2 threads, rows 1 to 16
+and T 1, 3, 9): bf16 products (torch's own dot kernel), the int8 and int4 kernels, the norm's
+statistic and SiLU times up of the model's widths pass; fp32 products of more rows than one never
+do, except `Linear`'s blocked product of 2 or 3 rows (MKL's product of a few columns, column by
+column), and fp32 SiLU of a width that is not a multiple of 16 fails once the threads split it. The
+key includes the thread count, so each is decided for the threads it runs with.
 
-One row alone (a decode step's product) has its own path too, `Linear`: on CPU in fp32 the
-library's one-row product runs on one thread, at a third of the machine's read bandwidth, so the
-weight is cut into blocks of output rows, one batched call that the threads share (measured in
-docs/performance.md). Its bits are its own, and the same in every run, whatever the thread count:
-the blocks are a function of the weight's shape only, and the rows above keep that call as "alone".
+One row alone (a decode step's product) has its own path too, `Linear`: on CPU in fp32 the library's
+one-row product runs on one thread, at a third of the machine's read bandwidth, so the weight is cut
+into blocks of output rows, one batched call that the threads share (measured in
+docs/performance.md); up to SPLIT_COLUMNS rows take it as as many columns. Its bits are its own, and
+the same in every run, whatever the thread count: the blocks are a function of the weight's shape
+only, and the rows above keep that call as "alone".
 """
 import copy
 
@@ -54,6 +58,7 @@ import torch.nn.functional as F
 
 SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
 SPLIT_BLOCKS = 16
+SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
@@ -65,17 +70,20 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
-        if (x.numel() != w.shape[1] or w.dtype != torch.float32 or x.dtype != w.dtype
-                or not w.is_cpu or not w.is_contiguous()):
+        N, K = w.shape
+        M = x.numel() // K                                         # rows
+        if (M > SPLIT_COLUMNS or w.dtype != torch.float32 or x.dtype != w.dtype
+                or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()):
             return F.linear(x, w, self.bias)
-        n = split_blocks(w.shape[0])
+        n = split_blocks(N)
         if n == 1:
             return F.linear(x, w, self.bias)
-        # [n, K, 1] over one copy of x, strides (0, 1, K): a column the library reads as one (a
+        # [n, K, M] over one copy of x, strides (0, 1, K): M columns the library reads as such (a
         # column of strides (0, 1, 1) takes a path three times slower)
-        col = x.reshape(1, -1).t().expand(n, -1, 1)
-        y = torch.bmm(w.view(n, -1, w.shape[1]), col)              # [n, N/n, 1]
-        y = y.view(*x.shape[:-1], w.shape[0])                      # [..., N]
+        cols = x.reshape(M, K).t().expand(n, -1, -1)
+        y = torch.bmm(w.view(n, -1, K), cols)                      # [n, N/n, M]
+        # rows back to row-major: [M, n, N/n] -> [..., N] (the kernels after expect it)
+        y = y.permute(2, 0, 1).contiguous().view(*x.shape[:-1], N)
         return y if self.bias is None else y + self.bias
 
 
@@ -140,6 +148,10 @@ def linear(layer, x):
     B = x.shape[0]
     if B == 1 or one_product(layer, x):
         return layer(x)
+    for g in range(min(B, SPLIT_COLUMNS), 1, -1):  # groups of g rows, where g gives their bits
+        x_g = x[:g].clone()
+        if one_product(layer, x_g):
+            return torch.cat([linear(layer, x[i:i + g].clone()) for i in range(0, B, g)])
     return torch.cat([layer(x[i:i + 1].clone()) for i in range(B)])  # [B, T, N], row by row
 
 
@@ -286,3 +298,47 @@ def _linear_agrees(layer, x):
         if not _agree(probe, [_like(x, xp)]):
             return False
     return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))])
+
+
+def shared_rows(fn, q, k, v, rows):
+    """Whether fn(q, k, v) (attention.attend_chunks) for q [B, G, N*rows, D], N blocks of `rows`
+    query rows (a verify step's positions, each padded as its own step pads it), over chunks k, v
+    [n, B, G, C, D], gives every block the bits of its own call over one chunk at a time; decided
+    once per shapes, layouts, dtype, device and thread count, on probes: scores that cancel
+    exactly (query features in equal pairs, key features in opposite pairs, so a score is only the
+    rounding its order of sums leaves), then inputs of magnitudes 2^-8 to 2^8."""
+    key = ("rows of attention", rows, torch.get_num_threads(),
+           *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 64) for t in (q, k, v)])
+    what = (f"attention {tuple(k.shape[1:])} {str(q.dtype).removeprefix('torch.')}",
+            (q.shape[2] // rows, 1))
+    return _decide(key, lambda: _rows_attend_alone(fn, q, k, v, rows), what)
+
+
+def _rows_attend_alone(fn, q, k, v, rows):
+    g = torch.Generator().manual_seed(0)
+    D = q.shape[-1]
+    N = q.shape[2] // rows
+    for trial in range(4):
+        if trial % 2 == 0:
+            pairs = torch.randperm(D - D % 2, generator=g).view(2, -1)      # [2, D/2]
+            qv = _magnitudes((*q.shape[:-1], pairs.shape[1]), g, -3, 3)
+            kv = _magnitudes((*k.shape[:-1], pairs.shape[1]), g, -3, 3)
+            qp = torch.zeros(q.shape)
+            kp = torch.zeros(k.shape)
+            qp[..., pairs[0]], qp[..., pairs[1]] = qv, qv
+            kp[..., pairs[0]], kp[..., pairs[1]] = kv, -kv
+        else:
+            qp = _magnitudes(q.shape, g, -8, 8) / 2 ** 8
+            kp = _magnitudes(k.shape, g, -8, 8) / 2 ** 8
+        qp, kp = _like(q, qp), _like(k, kp)
+        vp = _like(v, _magnitudes(v.shape, g, -8, 8))
+        o, lse = fn(qp, kp, vp)                  # [n, B, G, N*rows, D], [n, B, G, N*rows]
+        for i in range(N):
+            q_i = qp[:, :, i * rows:(i + 1) * rows].clone()
+            for j in range(k.shape[0]):
+                o_j, lse_j = fn(q_i, kp[j:j + 1].clone(), vp[j:j + 1].clone())
+                block = slice(i * rows, (i + 1) * rows)
+                if not (torch.equal(o_j[0], o[j, :, :, block])
+                        and torch.equal(lse_j[0], lse[j, :, :, block])):
+                    return False
+    return True

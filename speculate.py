@@ -6,15 +6,17 @@ one-token decoding.
 
     new = speculate.generate(model, cache, prompt_ids, 256, speculator=Lookup(k=6))
 
-A verify step feeds the last token and K guesses at positions p..p+K as K+1 rows (PositionRows):
-the model sees a batch of K+1 one-token rows, each at its own position, so every linear, norm and
-RoPE table gives row i the bits of a one-token step at p+i (rowwise.py keeps a row's bits its
-own), and attend_rows gives row i what KVCache.attend gives a one-token step at p+i: each sealed
-chunk is brought from its tier once, then every row that sees it gets the same kernel call on the
-same chunk tensors that its own one-token step would make, the open chunk up to its own offset,
-and the same merges in the same order. Row i's token is what sample() draws there (greedy, or its
-position's own generator); guess i+1 is kept iff it equals that token, and the first mismatch
-gives the model's own token.
+A verify step feeds the last token and K guesses at positions p..p+K as K+1 rows (PositionRows): the
+model sees a batch of K+1 one-token rows, each at its own position, so every linear, norm and RoPE
+table gives row i the bits of a one-token step at p+i (rowwise.py keeps a row's bits its own), and
+attend_rows gives row i what KVCache.attend gives a one-token step at p+i: each sealed chunk is
+brought from its tier once; with full attention all rows visit a group of chunks in one kernel call,
+each row's queries padded as its own step pads them (attention.attend_few), where probes show that
+call gives each row its own call's bits (rowwise.shared_rows), and otherwise (or with a sliding
+window) each row that sees the chunk gets the kernel call its own step makes; then the open chunk up
+to the row's own offset, and the same merges in the same order. Row i's token is what sample() draws
+there (greedy, or its position's own generator); guess i+1 is kept iff it equals that token, and the
+first mismatch gives the model's own token.
 
 Rollback: a verify step stays inside the open chunk (the guesses are cut at its end), and the
 cache commits only the kept rows (KVCache.commit(kept)). The rejected rows' K and V sit past the
@@ -31,17 +33,22 @@ import time
 import torch
 
 from attention import (
-    FLASH_CPU,
+    QUERY_ROWS,
     Partials,
     attend_chunk,
+    attend_chunks,
+    attend_few,
     attend_open_chunk,
     first_visible_chunk,
+    pad_rows,
     visible_keys,
 )
 from generate import Sampling, decode_one_token, prefill, sample
-from kvcache import MERGE_GROUP_BYTES, make_cache
+from kvcache import MERGE_GROUP_BYTES, chunk_groups, make_cache
 from kvlayout import Int4Layout
 from offload import OffloadConfig
+from pools import GROUP_CHUNKS
+from rowwise import shared_rows
 
 K_MAX = 32        # guesses per verify step at most
 LOOKUP_K = 6      # lookup's default: see docs/speculation.md
@@ -68,8 +75,9 @@ class PositionRows:
 def attend_rows(cache, layer, q, k, v):
     """q [N, H, 1, D], k, v [N, G, 1, D]: row i at position cache.length + i -> [N, H, 1, D], row i
     the bits KVCache.attend gives a one-token decode step at that position. Each sealed chunk is
-    loaded (and released) once, in the order the step prefetched; the rows that see it visit it
-    while it is hot. Mirrors KVCache.attend's T = 1 path: change both together (tests/
+    loaded once, in the order the step prefetched; all rows visit a group of chunks in one kernel
+    call where that gives each row its own step's bits (rowwise.shared_rows), else each row visits
+    it alone while it is hot. Mirrors KVCache.attend's T = 1 path: change both together (tests/
     test_speculate.py compares them bit for bit)."""
     N, H, _, D = q.shape
     G = k.shape[1]
@@ -96,25 +104,10 @@ def attend_rows(cache, layer, q, k, v):
         rows.append(Row(q_i, p, first_visible_chunk(W, p, C), q_pos, group))
     visits = cache.visits[layer]  # the union: every row's visible chunks (row 0 sees furthest)
     cache.count(layer, cache.first[layer], cache.n_sealed, len(visits))
-    flash = FLASH_CPU if W is None and q.is_cpu else None
-    fp32 = q.dtype == torch.float32
-    release = cache.store.release if cache.store.staged else None
-    for j in visits:
-        k_j, v_j = cache.layout.read(cache.store.load(layer, j), C)  # [1, G, C, D] each
-        for row in rows:
-            if j < row.first:  # before this row's sliding window
-                continue
-            if flash is not None:
-                o_j, lse_j = flash(row.q, k_j, v_j, scale=1.0)  # [1, G, R, D], [1, G, R]
-                part = (o_j if fp32 else o_j.float(), lse_j)
-            else:
-                visible = None
-                if W is not None and j * C <= row.p - W:  # the window's edge
-                    visible = visible_keys(row.q_pos, j * C + torch.arange(C, device=q.device), W)
-                part = attend_chunk(row.q, k_j, v_j, visible)
-            row.parts.add_one(*part)
-        if release:
-            release(layer, j)
+    if W is None:
+        attend_together(cache, layer, rows, visits)
+    else:
+        attend_apart(cache, layer, rows, visits)
     out = []
     for i, row in enumerate(rows):
         # the open chunk up to this row's own offset: k, v [1, G, off+i+1, D]
@@ -123,6 +116,48 @@ def attend_rows(cache, layer, q, k, v):
         o = row.parts.output()
         out.append(o.to(q.dtype).view(1, G, R, 1, D).reshape(1, H, 1, D))
     return torch.cat(out)  # [N, H, 1, D]
+
+
+def attend_together(cache, layer, rows, visits):
+    """Full attention: every row sees every chunk. The chunks in the groups a one-token step reads
+    them (KVCache.attend_sealed), each group one call for all rows (every row padded as its own
+    step pads it: attention.attend_few) where rowwise.shared_rows vouches for it, else a call per
+    row."""
+    _, G, R, D = rows[0].q.shape
+    P = max(R, QUERY_ROWS)
+    q_all = torch.cat([pad_rows(row.q, P) for row in rows], dim=2)  # [1, G, N*P, D]
+    size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (rows[0].q.numel() * 4)))
+    for js in chunk_groups(visits, size):
+        for run in cache.store.load_group(layer, js):
+            k_n, v_n = cache.layout.read_group(run)  # [n, 1, G, C, D] each
+            if len(rows) > 1 and shared_rows(attend_chunks, q_all, k_n, v_n, P):
+                o, lse = attend_chunks(q_all, k_n, v_n)  # [n, 1, G, N*P, D], [n, 1, G, N*P]
+                for i, row in enumerate(rows):
+                    block = slice(i * P, i * P + R)
+                    row.parts.add(o[:, :, :, block].contiguous(), lse[:, :, :, block].contiguous())
+            else:
+                for row in rows:
+                    row.parts.add(*attend_few(row.q, k_n, v_n))
+
+
+def attend_apart(cache, layer, rows, visits):
+    """A sliding window: a chunk at a time, each row that sees it alone, the window's edge with
+    its mask, as the row's own step does."""
+    C = cache.chunk_size
+    W = cache.windows[layer]
+    release = cache.store.release if cache.store.staged else None
+    for j in visits:
+        k_j, v_j = cache.layout.read(cache.store.load(layer, j), C)  # [1, G, C, D] each
+        for row in rows:
+            if j < row.first:  # before this row's sliding window
+                continue
+            if j * C <= row.p - W:  # the window's edge
+                visible = visible_keys(row.q_pos, j * C + torch.arange(C, device=k_j.device), W)
+                row.parts.add_one(*attend_chunk(row.q, k_j, v_j, visible))
+            else:
+                row.parts.add(*attend_few(row.q, k_j[None], v_j[None]))
+        if release:
+            release(layer, j)
 
 
 class Row:

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from attention import attend_chunk, attend_chunks
+import rowwise
+from attention import QUERY_ROWS, attend_chunk, attend_chunks, attend_few
 from kvcache import chunk_groups
 from kvlayout import Int8Layout, PlainLayout
 from offload import OffloadConfig, TieredStore
@@ -150,3 +151,54 @@ def test_a_decode_step_over_groups_is_attention(tmp_path):
         assert torch.allclose(out, ref, atol=1e-5)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1, 2, 3, 5])
+def test_few_rows_padded_give_the_unpadded_attention(dtype, R):
+    """attend_few pads a step's few query rows with zeros to QUERY_ROWS for the kernel and cuts
+    the partials back: the same attention (to rounding) as the rows alone, from a float64
+    reference, contiguous as a lone call's."""
+    g = torch.Generator().manual_seed(R)
+    q = torch.randn(1, G, R, D, generator=g).to(dtype) / math.sqrt(D)
+    k, v = (torch.randn(2, 1, G, C, D, generator=g).to(dtype) for _ in range(2))
+    o, lse = attend_few(q, k, v)                                    # [2, 1, G, R, D], [2, 1, G, R]
+    assert o.shape == (2, 1, G, R, D) and lse.shape == (2, 1, G, R)
+    assert o.is_contiguous() and lse.is_contiguous()
+    s = torch.einsum("bgrd,nbgcd->nbgrc", q.double(), k.double())   # [2, 1, G, R, C]
+    ref_o = torch.einsum("nbgrc,nbgcd->nbgrd", s.softmax(-1), v.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(o.double(), ref_o, atol=tol)
+    assert torch.allclose(lse.double(), s.logsumexp(-1), atol=tol)
+    assert QUERY_ROWS == 4
+
+
+def reordering_attention(q, k, v):
+    """attend_chunks, except that rows past the first 4 of a call get their scores summed in two
+    halves of D: a kernel whose many-row path sums in another order."""
+    o, lse = attend_chunks(q, k, v)
+    if q.shape[2] <= 4:
+        return o, lse
+    h = q.shape[-1] // 2
+    s = (torch.einsum("bgrd,nbgcd->nbgrc", q[..., :h].float(), k[..., :h].float())
+         + torch.einsum("bgrd,nbgcd->nbgrc", q[..., h:].float(), k[..., h:].float()))
+    o2 = torch.einsum("nbgrc,nbgcd->nbgrd", s.softmax(-1), v.float())
+    o = o.clone()
+    o[..., 4:, :] = o2[..., 4:, :]
+    return o, lse
+
+
+def test_a_call_of_many_rows_that_reorders_is_not_shared():
+    """rowwise.shared_rows (a verify step's rows in one call) says no to a kernel whose rows past
+    the first block sum in another order, and yes to the real kernel where it gives every block
+    its own call's bits (then the blocks are checked here, on other inputs)."""
+    g = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(3, 1, G, C, D, generator=g) for _ in range(2))
+    q = torch.randn(1, G, 3 * QUERY_ROWS, D, generator=g)           # 3 positions, padded rows
+    assert not rowwise.shared_rows(reordering_attention, q, k, v, QUERY_ROWS)
+    if rowwise.shared_rows(attend_chunks, q, k, v, QUERY_ROWS):
+        o, lse = attend_chunks(q, k, v)
+        for i in range(3):
+            block = slice(i * QUERY_ROWS, (i + 1) * QUERY_ROWS)
+            o_i, lse_i = attend_chunks(q[:, :, block].clone(), k, v)
+            assert torch.equal(o_i, o[:, :, :, block]) and torch.equal(lse_i, lse[:, :, :, block])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import Partials, attend_chunk
-from rowwise import Joint, Linear, linear, split_blocks
+from rowwise import SPLIT_COLUMNS, Joint, Linear, linear, split_blocks
 
 
 def test_blocks_are_a_function_of_the_rows_only():
@@ -38,8 +38,14 @@ def test_one_row_product_is_the_product_and_the_same_at_any_thread_count():
     assert one.shape == (1, 1, 1536)
     assert torch.allclose(one.double(), ref, atol=1e-3, rtol=1e-5)
     assert torch.equal(one, two)
-    # several rows, and bf16, take the library's product itself
-    xs = torch.randn(3, 1, 576, generator=g)
+    # up to SPLIT_COLUMNS rows: the blocked product, one column a row, row-major as F.linear's
+    xs = torch.randn(SPLIT_COLUMNS, 1, 576, generator=g)
+    ys = lin(xs)
+    refs = xs.double() @ lin.weight.double().t() + lin.bias.double()
+    assert ys.is_contiguous() and ys.shape == (SPLIT_COLUMNS, 1, 1536)
+    assert torch.allclose(ys.double(), refs, atol=1e-3, rtol=1e-5)
+    # more rows, and bf16, take the library's product itself
+    xs = torch.randn(SPLIT_COLUMNS + 1, 1, 576, generator=g)
     assert torch.equal(lin(xs), F.linear(xs, lin.weight, lin.bias))
     lin16 = Linear(576, 1536, bias=False).to(torch.bfloat16)
     assert torch.equal(lin16(x.bfloat16()), F.linear(x.bfloat16(), lin16.weight))

@@ -136,6 +136,22 @@ def test_quantized_kv(models, tmp_path, kv_dtype, name):
     assert_same(reference, got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_together_and_apart_give_the_same_bits(models, tmp_path, monkeypatch, dtype):
+    """A verify step's rows visit a chunk group in one call where rowwise.shared_rows vouches for
+    it, one call each otherwise: both are one-token decoding's bits."""
+    model = models[dtype][0]
+    ids = prompt()
+    reference = run(model, ids, "none", tmp_path)
+    together = run(model, ids, "cpu", tmp_path, guessers(models, dtype, "self"))
+    assert_same(reference, together)
+    asked = []
+    monkeypatch.setattr(speculate, "shared_rows", lambda *a: asked.append(a) and False)
+    apart = run(model, ids, "cpu", tmp_path, guessers(models, dtype, "self"))
+    assert_same(reference, apart)
+    assert asked  # the step asked, and went a row at a time
+
+
 def test_sliding_window(checkpoint, tmp_path):
     """A verify step's rows see different windows: each row visits and masks what its own step
     would."""
