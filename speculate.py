@@ -33,7 +33,6 @@ import time
 import torch
 
 from attention import (
-    QUERY_ROWS,
     Partials,
     attend_chunk,
     attend_chunks,
@@ -41,6 +40,7 @@ from attention import (
     attend_open_chunk,
     first_visible_chunk,
     pad_rows,
+    padded_rows,
     visible_keys,
 )
 from generate import Sampling, decode_one_token, prefill, sample
@@ -124,7 +124,7 @@ def attend_together(cache, layer, rows, visits):
     step pads it: attention.attend_few) where rowwise.shared_rows vouches for it, else a call per
     row."""
     _, G, R, D = rows[0].q.shape
-    P = max(R, QUERY_ROWS)
+    P = padded_rows(R, rows[0].q.dtype)
     q_all = torch.cat([pad_rows(row.q, P) for row in rows], dim=2)  # [1, G, N*P, D]
     size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (rows[0].q.numel() * 4)))
     for js in chunk_groups(visits, size):
