@@ -130,12 +130,12 @@ def attend_few(q, k, v):
 
 
 def padded_rows(RT, dtype):
-    """The query rows a chunk visit of RT rows runs with: QUERY_ROWS where it has fewer, except 1
-    or 2 rows in fp32, which read faster on their own path (measured from memory, 30 layers' chunk
-    groups of 12, 2 threads, docs/speculation.md: padding fp32 3 rows to 4 saves 8%, 2 rows costs
-    32% and 1 row 65%; bf16 saves 19% for 3 rows and 55% for 1, costs 6% for 2). A function of
-    shapes and dtype only, so placement-free."""
-    if RT >= QUERY_ROWS or (dtype == torch.float32 and RT < 3):
+    """The query rows a chunk visit of RT rows runs with: QUERY_ROWS where it has fewer, in half
+    precision. Measured in a decode step (30 layers, 6,144 tokens, 2 threads, steps alternating
+    in one process, docs/speculation.md): bf16 3 rows padded to 4 make the step 9% faster; fp32 3
+    rows padded are 1-4% slower and 1-2 rows far slower (a fused-kernel microbenchmark: 32% and
+    65%), so fp32 stays unpadded. A function of shapes and dtype only, so placement-free."""
+    if RT >= QUERY_ROWS or dtype == torch.float32:
         return RT
     return QUERY_ROWS
 

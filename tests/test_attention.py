@@ -170,7 +170,7 @@ def test_few_rows_padded_give_the_unpadded_attention(dtype, R):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(o.double(), ref_o, atol=tol)
     assert torch.allclose(lse.double(), s.logsumexp(-1), atol=tol)
-    assert padded_rows(R, dtype) == (R if R >= 4 or (dtype == torch.float32 and R < 3) else 4)
+    assert padded_rows(R, dtype) == (R if R >= 4 or dtype == torch.float32 else 4)
 
 
 def reordering_attention(q, k, v):
