@@ -25,6 +25,14 @@ _FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with
 QUERY_ROWS = 4   # a sealed chunk's visit has at least this many query rows (attend_few)
 
 
+def flash_cpu(q, k, v, **kw):
+    """torch's fused CPU kernel, each input's last dim made unit-stride first: given a last dim of
+    another stride it returns wrong values without a word (torch 2.13: a q of strides (..., 2)
+    was off by 3.6 on outputs of magnitude 1)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return FLASH_CPU(q, k, v, **kw)
+
+
 def fused_cuda(q, k, v):
     """One CUDA kernel for a chunk's partial: (o [B, G, R*T, D], lse [B, G, R*T]) fp32; the kv
     heads act as the kernel's heads and the (r, t) query rows as its sequence, so GQA needs no copy
@@ -66,7 +74,7 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     """
     if visible is None and fused:  # the common case first: a chunk visit is the hot loop
         if q.is_cpu and FLASH_CPU is not None:
-            o, lse = FLASH_CPU(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
+            o, lse = flash_cpu(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
             return (o if o.dtype == torch.float32 else o.float()), lse
         if q.is_cuda and use_fused_cuda(q):
             return fused_cuda(q, k, v)
@@ -105,7 +113,7 @@ def attend_chunks(q, k, v):
     kn = k.flatten(0, 1)                                           # [n*B, G, C, D]
     vn = v.flatten(0, 1)
     if q.is_cpu and FLASH_CPU is not None:
-        o, lse = FLASH_CPU(qn, kn, vn, scale=1.0)[:2]              # [n*B, G, R*T, D], [n*B, G, R*T]
+        o, lse = flash_cpu(qn, kn, vn, scale=1.0)[:2]              # [n*B, G, R*T, D], [n*B, G, R*T]
         o = o if o.dtype == torch.float32 else o.float()
     elif q.is_cuda and use_fused_cuda(q):
         o, lse = fused_cuda(qn.contiguous(), kn, vn)
@@ -161,7 +169,7 @@ def attend_open_chunk(q, k, v, off, R, window=None):
         kh = k[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]
         vh = v[:, :, None].expand(B, G, R, T, D).reshape(B, G * R, T, D)  # [B, H, T, D]
         # [B, H, T, D], [B, H, T]
-        o, lse = FLASH_CPU(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)
+        o, lse = flash_cpu(q.view(B, G * R, T, D), kh, vh, is_causal=True, scale=1.0)[:2]
         return o.float().reshape(B, G, RT, D), lse.reshape(B, G, RT)
     t = torch.arange(RT, device=q.device) % T          # query row (r, t) sits at offset off + t
     visible = visible_keys(off + t, torch.arange(off + T, device=q.device), window)

@@ -202,3 +202,21 @@ def test_a_call_of_many_rows_that_reorders_is_not_shared():
             block = slice(i * QUERY_ROWS, (i + 1) * QUERY_ROWS)
             o_i, lse_i = attend_chunks(q[:, :, block].clone(), k, v)
             assert torch.equal(o_i, o[:, :, :, block]) and torch.equal(lse_i, lse[:, :, :, block])
+
+
+def test_a_query_of_another_last_stride_gets_the_same_attention():
+    """torch's CPU flash kernel reads a last dim of stride 2 wrongly (attention.flash_cpu): a
+    strided q or k gives the bits of its contiguous copy."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, G, R, D, generator=g)
+    k, v = (torch.randn(3, 1, G, C, D, generator=g) for _ in range(2))
+    q2 = torch.empty(1, G, R, 2 * D)[..., ::2]                      # last stride 2
+    q2.copy_(q)
+    k2 = torch.empty(3, 1, G, C, 2 * D)[..., ::2]
+    k2.copy_(k)
+    o, lse = attend_chunks(q, k, v)
+    for a, b in ((q2, k), (q, k2)):
+        o2, lse2 = attend_chunks(a, b, v)
+        assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    o1, lse1 = attend_chunk(q2, k2[0], v[0])
+    assert torch.equal(o1, o[0]) and torch.equal(lse1, lse[0])
