@@ -65,8 +65,9 @@ _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe laye
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product of one row on CPU in fp32 is one batched product of the weight's
-    blocks of output rows: [1, K] x [N, K] as [n, N/n, K] x [K, 1], n a function of N only."""
+    """nn.Linear whose product of M <= SPLIT_COLUMNS rows on CPU in fp32 is one batched product of
+    the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
+    only."""
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
