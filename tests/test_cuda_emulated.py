@@ -349,3 +349,26 @@ def test_a_step_that_fails_half_way_leaves_no_copy_behind(llama, tmp_path, monke
     assert not emu.problems(), emu.problems()
     assert emu.stats["queued_at_close"]["copy"] > 0, (
         "no copy left in flight: the test no longer covers close()")
+
+
+def test_launch_count_tool_counts_one_attention_call_per_group(checkpoint):
+    """tools/launch_count.py counts a decode step's launches on the emulated CUDA path: at 64
+    positions in chunks of 8 a layer attends its 8 sealed chunks as one group and the open chunk
+    apart, so 2 attention kernels a layer; the host tier brings chunks with copies; no race."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckpt = checkpoint()
+    layers = Transformer.from_pretrained(ckpt).args.n_layers
+    counts = {}
+    for mode in ("none", "cpu"):
+        p = subprocess.run([sys.executable, os.path.join(root, "tools", "launch_count.py"), root,
+                            "--ckpt", ckpt, "--context", "64", "--chunk-size", "8",
+                            "--mode", mode], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        counts[mode] = json.loads(p.stdout.strip().splitlines()[-1])
+        assert counts[mode]["attention_kernels"] == 2 * layers, counts[mode]
+        assert counts[mode]["emulator_problems"] == 0
+    assert counts["cpu"]["copies"] > counts["none"]["copies"]
+    assert counts["cpu"]["launches"] > counts["none"]["launches"]
