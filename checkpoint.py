@@ -3,7 +3,8 @@ The files of a Hugging Face checkpoint: config.json and the other JSON files, an
 weights, read one tensor at a time. Every problem is a CheckpointError naming the file and what to
 do. Nothing in config.json is used before it is checked: every field the model, RoPE and the
 tokenizer read has a type and a range (CONFIG_FIELDS), and its sizes must agree with the weights'
-own headers (read_config) before anything is built from them.
+own headers (read_config) before anything is built from them. The tensors' names map to the
+model's (WEIGHT_MAP), and each is checked against the shape the config implies (expected).
 """
 import json
 import math
@@ -273,7 +274,7 @@ def read_config(ckpt_dir):
         if m:
             layers.add(int(m.group(1)))
     # more layers than the weights hold is refused here; fewer, or a gap, names the tensor that
-    # does not fit when it is loaded (model.expected)
+    # does not fit when it is loaded (expected, below)
     n = hf_config.get("num_hidden_layers")
     if is_int(n, 1) and n > len(layers):
         raise CheckpointError(f"{path}: num_hidden_layers is {n}, but the weights hold "
@@ -302,3 +303,73 @@ def header_shapes(ckpt_dir):
             raise CheckpointError(f"{path}: cannot be read as safetensors ({e}); the file is "
                                   "truncated or corrupt") from None
     return shapes
+
+
+# -----------------------------------------------------------------------------
+# tensor names: the checkpoint's and the model's (model.py)
+
+# Hugging Face module name -> ours, {} is the layer index; ".weight" / ".bias" follow unchanged.
+# The layouts agree (HF stores q/k for half-split RoPE, as apply_rope rotates), so nothing is
+# transposed or permuted.
+WEIGHT_MAP = {
+    "model.embed_tokens": "tok_embeddings",
+    "model.norm": "norm",
+    "lm_head": "output",
+    "model.layers.{}.input_layernorm": "layers.{}.attention_norm",
+    "model.layers.{}.post_attention_layernorm": "layers.{}.ffn_norm",
+    "model.layers.{}.self_attn.q_proj": "layers.{}.attention.wq",
+    "model.layers.{}.self_attn.k_proj": "layers.{}.attention.wk",
+    "model.layers.{}.self_attn.v_proj": "layers.{}.attention.wv",
+    "model.layers.{}.self_attn.o_proj": "layers.{}.attention.wo",
+    "model.layers.{}.mlp.gate_proj": "layers.{}.feed_forward.w1",
+    "model.layers.{}.mlp.up_proj": "layers.{}.feed_forward.w3",
+    "model.layers.{}.mlp.down_proj": "layers.{}.feed_forward.w2",
+}
+_REVERSE_MAP = {v: k for k, v in WEIGHT_MAP.items()}
+
+
+def _translate(name, table):
+    """Map 'a.layers.3.b.weight' through a table keyed by 'a.layers.{}.b'; None if the table has no
+    entry."""
+    module, _, kind = name.rpartition(".")
+    idx = re.search(r"\.(\d+)\.", module)
+    key = module.replace(idx.group(0), ".{}.", 1) if idx else module
+    if key not in table:
+        return None
+    return table[key].format(idx.group(1) if idx else "") + "." + kind
+
+
+def expected(hf_name, shape, params, model_args, path):
+    """Our name for a checkpoint tensor, checked against the model the config builds (None: a
+    tensor we skip)."""
+    name = hf_to_ours(hf_name, model_args)
+    if name is None:
+        return None
+    if name not in params:
+        raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a "
+                              f"{model_args.arch} model with this config)")
+    if shape != tuple(params[name].shape):
+        raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {shape}, config.json implies "
+                              f"{tuple(params[name].shape)}")
+    return name
+
+
+def check_complete(params, loaded, model_args, ckpt_dir):
+    tied = model_args.tie_embeddings
+    missing = [n for n in params if n not in loaded and not (tied and n == "output.weight")]
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the "
+                              f"checkpoint ({len(missing)} missing in all)")
+
+
+def hf_to_ours(hf_name, model_args):
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None  # old checkpoints saved this buffer; we compute it
+    if hf_name == "lm_head.weight" and model_args.tie_embeddings:
+        return None  # tied: the embedding is the output matrix (some tied checkpoints carry a copy)
+    # an unknown name stays as is and is reported unexpected
+    return _translate(hf_name, WEIGHT_MAP) or hf_name
+
+
+def ours_to_hf(name):
+    return _translate(name, _REVERSE_MAP) or name

@@ -12,7 +12,6 @@ model itself knows nothing of chunks, tiers or transfers. RoPE frequencies (plai
 YaRN) and stretching them past the trained context: rope.py.
 """
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +22,9 @@ import torch.nn.functional as F
 from checkpoint import (
     CheckpointError,
     architecture,
+    check_complete,
     check_config,
+    expected,
     iter_checkpoint,
     read_config,
 )
@@ -186,8 +187,8 @@ def swiglu(gate, up):
 
 
 def apply_rope(x, cos, sin):
-    # x [B, heads, T, D]; cos, sin [B or 1, 1, T, D]. Rotate the two halves of D (the layout HF
-    # checkpoints are stored in).
+    # x [B, heads, T, D] with cos, sin [B or 1, 1, T, D], or x [B, T, heads, D] with [B or 1, T, 1,
+    # D]. Rotate the two halves of D (the layout HF checkpoints are stored in).
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -228,13 +229,9 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, layer, cache=None):
         B, T, _ = x.shape
         D = self.args.head_dim
-        # the heads are counted from the projections: a tensor-parallel rank holds a share of them
-        qkv = self.qkv(x) if self.qkv else [linear(w, x) for w in (self.wq, self.wk, self.wv)]
-        # [B, H, T, D], [B, G, T, D], [B, G, T, D]
-        q, k, v = (y.reshape(B, T, -1, D).transpose(1, 2) for y in qkv)
+        q, k, v = self.project(x, cos, sin)
         H = q.shape[1]
         G = k.shape[1]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # the reference: every position attends to all earlier ones (in its window), nothing is kept
         if cache is None:
             k = k.repeat_interleave(H // G, dim=1)  # [B, H, T, D]
@@ -248,6 +245,25 @@ class Attention(nn.Module):
         else:  # the cache stores k, v at its current positions and attends over everything it holds
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
+
+
+    def project(self, x, cos, sin):
+        """x [B, T, E] -> q [B, H, T, D], k, v [B, G, T, D], q and k rotated (RoPE). The heads are
+        counted from the projections: a tensor-parallel rank holds a share of them."""
+        B, T, _ = x.shape
+        D = self.args.head_dim
+        y = self.qkv.joint(x) if self.qkv else None               # [B, T, (H + 2G) * D]
+        if y is None:
+            qkv = [linear(w, x) for w in (self.wq, self.wk, self.wv)]
+            q, k, v = (y.reshape(B, T, -1, D).transpose(1, 2) for y in qkv)
+            return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        # q and k rotated by one call of each operation (a decode step's calls cost more than their
+        # bytes); element by element, so the bits are those of two calls
+        G = self.wk.out_features // D
+        y = y.view(B, T, -1, D)                                    # [B, T, H + 2G, D]
+        qk = apply_rope(y[:, :, :-G], cos.transpose(1, 2), sin.transpose(1, 2))  # [B, T, H + G, D]
+        return (qk[:, :, :-G].transpose(1, 2), qk[:, :, -G:].transpose(1, 2),
+                y[:, :, -G:].transpose(1, 2))
 
 
 class FeedForward(nn.Module):
@@ -378,73 +394,3 @@ def join_projections(model):
         a.qkv = Joint.of([a.wq, a.wk, a.wv])
         f.gate_up = Joint.of([f.w1, f.w3])
     return model
-
-
-# -----------------------------------------------------------------------------
-# checkpoint files
-
-# Hugging Face module name -> ours, {} is the layer index; ".weight" / ".bias" follow unchanged.
-# The layouts agree (HF stores q/k for half-split RoPE, as apply_rope rotates), so nothing is
-# transposed or permuted.
-WEIGHT_MAP = {
-    "model.embed_tokens": "tok_embeddings",
-    "model.norm": "norm",
-    "lm_head": "output",
-    "model.layers.{}.input_layernorm": "layers.{}.attention_norm",
-    "model.layers.{}.post_attention_layernorm": "layers.{}.ffn_norm",
-    "model.layers.{}.self_attn.q_proj": "layers.{}.attention.wq",
-    "model.layers.{}.self_attn.k_proj": "layers.{}.attention.wk",
-    "model.layers.{}.self_attn.v_proj": "layers.{}.attention.wv",
-    "model.layers.{}.self_attn.o_proj": "layers.{}.attention.wo",
-    "model.layers.{}.mlp.gate_proj": "layers.{}.feed_forward.w1",
-    "model.layers.{}.mlp.up_proj": "layers.{}.feed_forward.w3",
-    "model.layers.{}.mlp.down_proj": "layers.{}.feed_forward.w2",
-}
-_REVERSE_MAP = {v: k for k, v in WEIGHT_MAP.items()}
-
-
-def _translate(name, table):
-    """Map 'a.layers.3.b.weight' through a table keyed by 'a.layers.{}.b'; None if the table has no
-    entry."""
-    module, _, kind = name.rpartition(".")
-    idx = re.search(r"\.(\d+)\.", module)
-    key = module.replace(idx.group(0), ".{}.", 1) if idx else module
-    if key not in table:
-        return None
-    return table[key].format(idx.group(1) if idx else "") + "." + kind
-
-
-def expected(hf_name, shape, params, model_args, path):
-    """Our name for a checkpoint tensor, checked against the model the config builds (None: a
-    tensor we skip)."""
-    name = hf_to_ours(hf_name, model_args)
-    if name is None:
-        return None
-    if name not in params:
-        raise CheckpointError(f"{path}: unexpected tensor '{hf_name}' (not part of a "
-                              f"{model_args.arch} model with this config)")
-    if shape != tuple(params[name].shape):
-        raise CheckpointError(f"{path}: tensor '{hf_name}' has shape {shape}, config.json implies "
-                              f"{tuple(params[name].shape)}")
-    return name
-
-
-def check_complete(params, loaded, model_args, ckpt_dir):
-    tied = model_args.tie_embeddings
-    missing = [n for n in params if n not in loaded and not (tied and n == "output.weight")]
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: tensor '{ours_to_hf(missing[0])}' is missing from the "
-                              f"checkpoint ({len(missing)} missing in all)")
-
-
-def hf_to_ours(hf_name, model_args):
-    if hf_name.endswith("rotary_emb.inv_freq"):
-        return None  # old checkpoints saved this buffer; we compute it
-    if hf_name == "lm_head.weight" and model_args.tie_embeddings:
-        return None  # tied: the embedding is the output matrix (some tied checkpoints carry a copy)
-    # an unknown name stays as is and is reported unexpected
-    return _translate(hf_name, WEIGHT_MAP) or hf_name
-
-
-def ours_to_hf(name):
-    return _translate(name, _REVERSE_MAP) or name

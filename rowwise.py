@@ -79,12 +79,13 @@ class Linear(nn.Linear):
         n = split_blocks(N)
         if n == 1:
             return F.linear(x, w, self.bias)
-        # [n, K, M] over one copy of x, strides (0, 1, K): M columns the library reads as such (a
-        # column of strides (0, 1, 1) takes a path three times slower)
-        cols = x.reshape(M, K).t().expand(n, -1, -1)
+        # [n, K, M] over one copy of x, strides (0, 1, K), made as one view: M columns the library
+        # reads as such (a column of strides (0, 1, 1) takes a path three times slower)
+        cols = x.as_strided((n, K, M), (0, 1, K), x.storage_offset())
         y = torch.bmm(w.view(n, -1, K), cols)                      # [n, N/n, M]
-        # rows back to row-major: [M, n, N/n] -> [..., N] (the kernels after expect it)
-        y = y.permute(2, 0, 1).contiguous().view(*x.shape[:-1], N)
+        if M > 1:  # rows back to row-major: [M, n, N/n] (the kernels after expect it)
+            y = y.permute(2, 0, 1).contiguous()
+        y = y.view(*x.shape[:-1], N)                               # [..., N]
         return y if self.bias is None else y + self.bias
 
 
@@ -129,9 +130,15 @@ class Joint:
 
     def __call__(self, x):
         """[linear(layer, x) for each layer], as one product while the weights are its views."""
-        if self.placed() != self.views:
+        y = self.joint(x)
+        if y is None:
             return [linear(l, x) for l in self.layers]
-        return linear(self.layer, x).split(self.sizes, dim=-1)
+        return y.split(self.sizes, dim=-1)
+
+    def joint(self, x):
+        """The layers' outputs side by side, [..., N_1 + N_2 + ...], from one product; None once
+        the weights are no longer its views."""
+        return linear(self.layer, x) if self.placed() == self.views else None
 
 
 def split_blocks(N):

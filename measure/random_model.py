@@ -13,7 +13,8 @@ import re
 
 import torch
 
-from model import ModelArgs, Transformer, ours_to_hf
+from checkpoint import ours_to_hf
+from model import ModelArgs, Transformer
 
 SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
 PRESETS = {  # --random-model NAME[,key=value,...]

@@ -49,8 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from checkpoint import CheckpointError, checkpoint_files, read_config
-from model import ModelArgs, Transformer, check_complete, expected, join_projections
+from checkpoint import CheckpointError, check_complete, checkpoint_files, expected, read_config
+from model import ModelArgs, Transformer, join_projections
 from rope import rope_inv_freq
 
 VOCAB_MODES = ("shard", "replicate")

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from model import ModelArgs, Transformer, ours_to_hf  # noqa: E402
+from checkpoint import ours_to_hf  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 
 BOS, EOS = 1, 2
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "__pycache__"}
