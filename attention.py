@@ -221,6 +221,10 @@ class Partials:
 
     def add(self, o, lse):
         """A stack of partials, o [m, B, G, R*T, D], lse [m, B, G, R*T] (ours: merged in place)."""
+        if self.count + o.shape[0] < self.group:  # the whole stack joins the group (a decode step)
+            self.parts.append((o, lse))
+            self.count += o.shape[0]
+            return
         while o.shape[0]:
             take = min(o.shape[0], self.group - self.count)
             self.parts.append((o[:take], lse[:take]))

@@ -170,8 +170,8 @@ class KVCache:
         off = self.length % C
         kv = self.store.open_chunk(layer)                  # layout.shape(B, G, C, D), on the device
         self.layout.write(kv, off, k, v)
-        # rows are (r, t) pairs: [B, H, T, D] -> [B, G, R*T, D]
-        q = (q * (1.0 / math.sqrt(D))).view(B, G, R, T, D).reshape(B, G, R * T, D)
+        # rows are (r, t) pairs: [B, H, T, D] -> [B, G, R*T, D] (h = g*R + r: the same order)
+        q = (q * (1.0 / math.sqrt(D))).reshape(B, G, R * T, D)
         visits = self.visits[layer]
         if visits is None:  # the selection needs this layer's queries: decide now, fetch now
             visits = self.selection.visits(layer, first, n, T, q)
@@ -181,7 +181,8 @@ class KVCache:
         parts = self.attend_sealed(layer, q, visits)
         # k, v [B, G, off+T, D]
         parts.add_one(*attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W))
-        return parts.output().to(q.dtype).view(B, G, R, T, D).reshape(B, H, T, D)  # [B, H, T, D]
+        o = parts.output()                                 # [B, G, R*T, D] fp32
+        return (o if o.dtype == q.dtype else o.to(q.dtype)).reshape(B, H, T, D)  # [B, H, T, D]
 
     def attend_sealed(self, layer, q, visits):
         """The decode (or prefill) attention of one step's query rows q [B, G, R*T, D] (scaled)

@@ -114,6 +114,8 @@ class TieredStore:
         # the device tier: each layer's open chunk, the window, its buffers (self.chunks)
         self.open = [None] * n_layers
         self.resident = {}   # (layer, j) -> device chunk [2, B, G, C, D]
+        # (layer, first chunk, chunks) -> (their Locs, their runs): views a decode step reuses
+        self.group_runs = {}
         self.on_device = [[] for _ in range(n_layers)]  # per layer: its resident j, ascending
         self.loc = {}        # (layer, j) -> Loc of every sealed chunk
         self.peak_device_bytes = 0
@@ -272,14 +274,22 @@ class TieredStore:
                 yield self.load(layer, j)[None]
                 self.release(layer, j)
             return
-        chunks = None if staged else [self.load(layer, j) for j in js]  # in place
-        if chunks is not None:
-            bases = {"device": self.chunks.arena(layer), "host": self.host.flat,
-                     "disk": self.disk and not self.staged and self.disk.flat(layer)}
-            runs = self.chunks.runs(chunks, [bases[self.loc[(layer, j)].tier] for j in js])
-            if not self.cuda or len(runs) == 1:
-                yield from runs
+        chunks = None
+        if not staged:
+            locs = tuple(self.loc[(layer, j)] for j in js)
+            key = (layer, js[0], len(js))
+            cut = self.group_runs.get(key)
+            if cut is None or cut[0] != locs:  # cut afresh: the first time, or a chunk moved
+                chunks = [self.load(layer, j) for j in js]  # in place
+                bases = {"device": self.chunks.arena(layer), "host": self.host.flat,
+                         "disk": self.disk and not self.staged and self.disk.flat(layer)}
+                cut = (locs, self.chunks.runs(chunks, [bases[where.tier] for where in locs]))
+                if DISK not in locs:  # kept where chunks stay put: a mapping may be remade
+                    self.group_runs[key] = cut
+            if not self.cuda or len(cut[1]) == 1:
+                yield from cut[1]
                 return
+            chunks = chunks or [self.load(layer, j) for j in js]
         yield self.chunks.gather(js, chunks, lambda j: self.load(layer, j),
                                  lambda j: self.release(layer, j))
 
@@ -435,6 +445,7 @@ class TieredStore:
                 "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
+        self.group_runs.clear()
         for worker in filter(None, (self.reader, self.writer)):
             worker.shutdown(wait=True)
         if self.cuda:
