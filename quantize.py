@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rowwise import concatenate
+
 # what Transformer.from_pretrained(quantize=...) accepts; int4-gN: N input features per group
 QUANTIZE = (None, "int8", "int4-g32", "int4-g64", "int4-g128")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -135,6 +137,14 @@ class Int8Linear(nn.Module):
             raise ValueError(f"Int8Linear.load_weight: weight of shape {tuple(w.shape)}, expected "
                              f"{(self.out_features, self.in_features)}")
         self.weight, self.scales = quantize_weight(w)
+
+    @classmethod
+    def joined(cls, layers):
+        """One Int8Linear [sum N, K] of layers (rowwise.Joint): the kernel's sums run along K,
+        output by output, so each output keeps the bits of its own layer's product."""
+        joint = cls(layers[0].in_features, sum(l.out_features for l in layers),
+                    bias=layers[0].bias is not None, device="meta")
+        return concatenate(layers, joint, ("weight", "scales", "bias"))
 
     def forward(self, x):
         y = int8_matmul(x, self.weight, self.scales)
@@ -346,6 +356,27 @@ class Int4Linear(nn.Module):
             self.weight = _INT4_CUDA_PACK(pack_int4(q), INT4_CUDA_INNER_K_TILES)
         if self.packing == "plain":
             self.weight = pack_int4(q)                                # [N, K/2] uint8
+
+    @classmethod
+    def joined(cls, layers):
+        """One Int4Linear [sum N, K] of layers (rowwise.Joint), or None where their packings
+        differ or do not stack: the packed rows go in blocks, so layers stack only in whole blocks,
+        which is checked on the bytes. The scales [K/g, N, 2] are copied (the kernel takes them
+        contiguous, which a view of the joint ones would not be)."""
+        first = layers[0]
+        if {(l.group_size, l.packing) for l in layers} != {(first.group_size, first.packing)}:
+            return None
+        joint = cls(first.in_features, sum(l.out_features for l in layers),
+                    bias=first.bias is not None, device="meta", group_size=first.group_size)
+        joint.packing = first.packing
+        unpack = {"cpu": unpack_cpu_kernel, "plain": unpack_int4}.get(first.packing)
+        if unpack is None:  # the CUDA kernel's tiles: not joined
+            return None
+        q = torch.cat([unpack(l.weight) for l in layers])                # [sum N, K]
+        if not torch.equal(unpack(torch.cat([l.weight for l in layers])), q):
+            return None
+        concatenate(layers, joint, ("scales_and_zeros",), dim=1, share=False)
+        return concatenate(layers, joint, ("weight", "bias"))
 
     def forward(self, x):
         y = int4_matmul(x, self.weight, self.scales_and_zeros, self.group_size, self.packing)

@@ -88,41 +88,66 @@ class Linear(nn.Linear):
         y = y.view(*x.shape[:-1], N)                               # [..., N]
         return y if self.bias is None else y + self.bias
 
+    @classmethod
+    def joined(cls, layers):
+        """One Linear [sum N, K] of layers (rowwise.Joint), their weights and biases its views."""
+        joint = cls(layers[0].in_features, sum(l.out_features for l in layers),
+                    bias=layers[0].bias is not None, device="meta")
+        return concatenate(layers, joint, ("weight", "bias"))
+
+
+def concatenate(layers, joint, names, dim=0, share=True):
+    """Give `joint` (a layer built on the meta device) each tensor `names` of `layers` side by side
+    along dim, one buffer each; with share, each layer's tensor becomes its view of that buffer (so
+    that the weights are held once). Returns joint."""
+    for name in names:
+        parts = [getattr(l, name) for l in layers]
+        if parts[0] is None:
+            continue
+        whole = torch.cat(parts, dim)
+        _set(joint, name, whole)
+        start = 0
+        for l, t in zip(layers, parts):
+            if share:
+                _set(l, name, whole.narrow(dim, start, t.shape[dim]))
+            start += t.shape[dim]
+    return joint
+
+
+def _set(module, name, t):
+    """module.name = t, a parameter where it held one (a buffer stays a buffer)."""
+    if name in module._parameters:
+        t = nn.Parameter(t, requires_grad=False)
+    setattr(module, name, t)
+
 
 class Joint:
     """Linears that read the same input (q, k, v; gate and up) as one product: their weights (and
-    biases) are moved side by side into one buffer [N_1 + N_2 + ..., K] and become views of it, so
-    a step makes one call instead of several (a decode step's calls cost more than their bytes).
+    biases, and a quantized kind's scales) are moved side by side into one buffer [N_1 + N_2 + ...,
+    K] and become views of it, so a step makes one call instead of several (a decode step's calls
+    cost more than their bytes; the int8 and int4 kernels' calls cost several operations each).
     The bits are the joint product's, in every call, whatever the rows: linear() keeps its rows as
     its lone call. Once a layer's weight is no longer its view (a parameter replaced after the
     join, as `.to()` does), each layer is its own product again."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, layer):
         self.layers = layers
         self.sizes = [l.out_features for l in layers]
-        w = torch.cat([l.weight for l in layers])                  # [sum N, K]
-        bias = layers[0].bias is not None
-        self.layer = Linear(w.shape[1], w.shape[0], bias=bias, device="meta")
-        self.layer.weight = nn.Parameter(w, requires_grad=False)
-        if bias:
-            self.layer.bias = nn.Parameter(torch.cat([l.bias for l in layers]), requires_grad=False)
-        start = 0
-        for l, n in zip(layers, self.sizes):
-            l.weight = nn.Parameter(w[start:start + n], requires_grad=False)
-            if bias:
-                l.bias = nn.Parameter(self.layer.bias[start:start + n], requires_grad=False)
-            start += n
+        self.layer = layer  # one layer [sum N, K]; the layers' weights are views of its buffers
         self.views = self.placed()
 
     @classmethod
     def of(cls, layers):
-        """A Joint of layers, or None where they cannot be one (a quantized kind, mixed dtypes,
-        devices or biases)."""
-        if not all(type(l) is Linear for l in layers):
+        """A Joint of layers, or None where they cannot be one (kinds that do not join, mixed
+        kinds, dtypes, devices or biases). A kind joins through its `joined(layers)`: Linear's
+        below, the quantized kinds' in quantize.py."""
+        kind = type(layers[0])
+        if not all(type(l) is kind for l in layers) or not hasattr(kind, "joined"):
             return None
         kinds = {(l.weight.dtype, l.weight.device, l.in_features, l.bias is not None)
                  for l in layers}
-        return cls(layers) if len(kinds) == 1 else None
+        layer = kind.joined(layers) if len(kinds) == 1 else None
+        return None if layer is None else cls(layers, layer)
 
     def placed(self):
         """Where and how large each layer's weight is: its view of the buffer, or not."""

@@ -4,6 +4,7 @@ The products a decode step makes (rowwise.Linear, rowwise.Joint) and the merge o
 bit-for-bit promises they carry (the same bits whatever the thread count, however a stack of
 partials arrives).
 """
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -79,6 +80,41 @@ def test_joint_is_one_product_and_falls_back_when_a_weight_moves():
     # kinds that cannot be joined
     assert Joint.of([Linear(64, 32), Linear(32, 32)]) is None
     assert Joint.of([Linear(64, 32), Linear(64, 32, bias=False)]) is None
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_projections_join_and_keep_each_output_its_own_bits(kind):
+    """Int8Linear and Int4Linear layers join (quantize.py: their weights and scales side by
+    side): each output of the joint product has the bits of its own layer's product, for one row
+    and for several, and the weights stay held once."""
+    from quantize import Int4Linear, Int8Linear
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for n in (128, 64, 64):  # whole blocks of the int4 kernel's packing (32 or 64 rows)
+        if kind == "int8":
+            lin = Int8Linear(256, n)
+        else:
+            lin = Int4Linear(256, n, group_size=64)
+        lin.load_weight(torch.randn(n, 256, generator=g))
+        layers.append(lin)
+    xs = [torch.randn(rows, 1, 256, generator=g).bfloat16() for rows in (1, 3)]
+    alone = [[lin(x) for lin in layers] for x in xs]
+    weights = [lin.weight.clone() for lin in layers]
+    joint = Joint.of(layers)
+    assert joint is not None and type(joint.layer) is type(layers[0])
+    assert layers[1].weight.data_ptr() == joint.layer.weight[128:].data_ptr()
+    assert all(torch.equal(lin.weight, w) for lin, w in zip(layers, weights))
+    for x, outs in zip(xs, alone):
+        for o, ref in zip(joint(x), outs):
+            assert torch.equal(o, ref)
+    # int4 rows that do not fill the packing's blocks do not stack: no joint, nothing changed
+    if kind == "int4":
+        odd = [Int4Linear(256, n, group_size=64) for n in (48, 16)]
+        for lin in odd:
+            lin.load_weight(torch.randn(lin.out_features, 256, generator=g))
+        if odd[0].packing == "cpu":
+            ptr = odd[1].weight.data_ptr()
+            assert Joint.of(odd) is None and odd[1].weight.data_ptr() == ptr
 
 
 def test_partials_give_the_same_bits_however_the_stack_arrives_and_are_attention():
