@@ -28,7 +28,9 @@ Guessers: Lookup (the longest recent n-gram of the prompt and the generated text
 small model with the same vocabulary and a cache of its own).
 """
 import math
+import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -52,7 +54,8 @@ from rowwise import shared_rows
 
 K_MAX = 32        # guesses per verify step at most
 LOOKUP_K = 6      # lookup's default: see docs/speculation.md
-BACKOFF = 16      # plain steps at most between failed guesses and the next ones
+BACKOFF = 32      # plain steps at most between failed guesses and the next ones
+PACE_STEPS = 8    # the plain steps whose median time a verify step is held to (Pace)
 NGRAMS = (4, 3, 2)  # lookup's n-gram sizes, longest first; a lone token matches too often
 
 
@@ -188,11 +191,33 @@ def commit(cache, kept):
 # -----------------------------------------------------------------------------
 # the loop
 
+class Pace:
+    """Whether guessing pays here (this machine, model, context and tier), from this run's own step
+    times: a verify step pays when its tokens came faster than plain steps give theirs (the median
+    of the last PACE_STEPS). Where a row costs a row of compute (a CPU), a verify step of 2 rows
+    costs about 1.4 plain steps, so a step that kept 1 guess of 5 did not pay; where rows are nearly
+    free (a step bound by reading weights or KV) it did. Only speed depends on it: whichever steps
+    run, every token and logit is the same."""
+
+    def __init__(self, timed=True, clock=time.perf_counter):
+        self.timed = timed  # False: every step that kept a guess paid (verify.py: the proof
+        self.clock = clock  # should exercise as many verify steps as it can, whatever they cost)
+        self.plain = deque(maxlen=PACE_STEPS)  # seconds of the last plain steps
+
+    def paid(self, seconds, tokens):
+        """Whether a verify step of `seconds` that gave `tokens` beat the plain steps (yes before
+        any plain step was timed)."""
+        if not self.timed or not self.plain:
+            return True
+        return seconds / tokens < statistics.median(self.plain)
+
+
 def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_ids=(),
-             on_token=None, on_step=None, replay=(), share=None, step=None, speculator=None):
+             on_token=None, on_step=None, replay=(), share=None, step=None, speculator=None,
+             pace=None):
     """generate.generate with guesses checked in verify steps: the same tokens, and on_step gets
     the same logits for the same positions, one call per kept position. speculator.stats holds
-    what it cost and kept."""
+    what it cost and kept. pace: a Pace (default: timed by this process's clock)."""
     if share is not None or step is not None:
         raise ValueError("speculation runs one task alone: not under tensor parallelism or in a "
                          "batch")
@@ -208,6 +233,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
     kv_start = cache.store.snapshot()["bytes"].get("kv_read", 0)
     # the int4 layout quantizes a chunk's keys on the write that fills it: only a kept row may
     spare = 1 if isinstance(cache.layout, Int4Layout) else 0
+    pace = pace or Pace()
     idle = 0     # plain steps before the next guesses
     k_now = speculator.k  # guesses the next verify step may make
     backoff = 1  # what idle becomes when guesses fail
@@ -222,6 +248,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         room = min(k_now, cache.chunk_size - cache.length % cache.chunk_size - 1 - spare,
                    max_new_tokens - len(out) - 1)
         guesses = []
+        start = pace.clock()  # a verify step costs its guesses too (a draft model's steps)
         if idle:  # the last guesses all failed: a few plain steps first
             idle -= 1
         elif room > 0:
@@ -231,6 +258,7 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         stats["steps"] += 1
         if not guesses:
             logits = decode_one_token(model, cache, token)
+            pace.plain.append(pace.clock() - start)
             stats["tokens"] += 1
             if on_step:
                 on_step("decode", logits, cache)
@@ -251,17 +279,20 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
                 break
             kept += 1
         stats["kept"] += kept - 1
-        # free text: a verify step whose guesses all fail costs more than a plain step, so each
-        # failure in a row waits twice as long before guessing again (1, 2, 4 ... BACKOFF steps),
-        # then guesses one token; guesses all kept double the next guess count, up to k
-        idle = backoff if kept == 1 else 0
-        backoff = min(2 * backoff, BACKOFF) if kept == 1 else 1
+        stats["tokens"] += kept
+        commit(cache, kept)
+        # free text: a verify step whose guesses all fail, or that kept too few to pay for its
+        # rows (Pace), costs more than plain steps, so each such step in a row waits twice as long
+        # before guessing again (1, 2, 4 ... BACKOFF steps), then guesses one token; guesses all
+        # kept double the next guess count, up to k
+        failed = kept == 1 or not pace.paid(pace.clock() - start, kept)
+        stats["unpaid"] += failed
+        idle = backoff if failed else 0
+        backoff = min(2 * backoff, BACKOFF) if failed else 1
         if kept - 1 == len(guesses):
             k_now = min(speculator.k, 2 * len(guesses))
         else:
             k_now = kept  # the guesses kept, and one more
-        stats["tokens"] += kept
-        commit(cache, kept)
         if on_step:
             report_rows(on_step, cache, rows, kept)
         if done:
@@ -290,13 +321,14 @@ def summary(stats):
     return {"speculate": stats["kind"], "verify_steps": stats["steps"],
             "guesses_proposed": stats["proposed"], "guesses_kept": stats["kept"],
             "tokens_per_step": round(stats["tokens"] / steps, 3),
+            "verify_steps_unpaid": stats["unpaid"],
             "kv_bytes_per_token": round(stats["kv_read_bytes"] / tokens),
             "draft_s": round(stats["draft_s"], 4)}
 
 
 def new_stats(kind):
     return {"kind": kind, "steps": 0, "tokens": 0, "proposed": 0, "kept": 0, "kv_read_bytes": 0,
-            "draft_s": 0.0}
+            "draft_s": 0.0, "unpaid": 0}
 
 
 # -----------------------------------------------------------------------------

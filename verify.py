@@ -66,7 +66,7 @@ def run_mode(model, ids, max_new, chunk_size, cfg, kv_dtype="auto", share=None,
             new = generate(model, cache, prompt, max_new, sampling, on_step=on_step, share=share)
         else:
             new = speculate.generate(model, cache, prompt, max_new, sampling, on_step=on_step,
-                                     speculator=speculator)
+                                     speculator=speculator, pace=speculate.Pace(timed=False))
         snap = cache.store.snapshot()
     finally:
         cache.store.close()

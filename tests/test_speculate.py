@@ -53,7 +53,7 @@ def config(mode, tmp_path):
 
 
 def run(model, ids, mode, tmp_path, guesser=None, sampling=Sampling(), eos=(), new=NEW,
-        kv_dtype="auto"):
+        kv_dtype="auto", pace=None):
     """(new ids, [(position, logits [V])...] of every forward step, the cache's final length,
     its sealed chunks' bytes)."""
     steps = []
@@ -72,7 +72,7 @@ def run(model, ids, mode, tmp_path, guesser=None, sampling=Sampling(), eos=(), n
             out = generate(model, cache, x, new, sampling, eos, on_step=on_step)
         else:
             out = speculate.generate(model, cache, x, new, sampling, eos, on_step=on_step,
-                                     speculator=guesser)
+                                     speculator=guesser, pace=pace or speculate.Pace(timed=False))
         host = torch.empty(cache.store.shape, dtype=cache.store.dtype)
         sealed = []
         for j in range(cache.n_sealed):
@@ -202,6 +202,45 @@ def test_lookup_finds_the_longest_recent_match():
     assert g.propose(text, 3) == [8, 9, 1]
     assert g.propose(text + [3], 3) == []
     assert speculate.Lookup(2).propose([1, 2, 1, 2], 2) == [1, 2]
+
+
+@pytest.mark.parametrize("verify_cost", [0.5, 50.0])
+def test_pace_stops_guessing_where_verify_steps_do_not_pay(models, tmp_path, monkeypatch,
+                                                           verify_cost):
+    """Pace holds each verify step to the plain steps' time per token, on a clock of its own: a
+    one-token step (plain, or the draft's) costs 1, a verify step verify_cost. The model is its own
+    draft, so every guess is kept and a verify step of 5 guesses costs 4 draft steps and itself:
+    at 0.5 it gives 6 tokens for 4.5 and pays, and guessing goes on; at 50 none pays, whatever it
+    kept, and the backoff leaves a handful of verify steps. The output is the same either way."""
+    model = models[torch.float32][0]
+    ids = prompt()
+    reference = run(model, ids, "none", tmp_path)
+    clock = [0.0]
+    verify_steps = []
+
+    def costing(fn, cost, calls=None):
+        def step(*args, **kw):
+            clock[0] += cost
+            if calls is not None:
+                calls.append(1)
+            return fn(*args, **kw)
+        return step
+    kept = []  # each verify step's kept positions, as it commits them
+    commit = speculate.commit
+    monkeypatch.setattr(speculate, "commit", lambda cache, n: (kept.append(n), commit(cache, n)))
+    monkeypatch.setattr(speculate, "decode_one_token", costing(speculate.decode_one_token, 1.0))
+    monkeypatch.setattr(speculate, "verify_step",
+                        costing(speculate.verify_step, verify_cost, verify_steps))
+    g = guessers(models, torch.float32, "self")
+    pace = speculate.Pace(clock=lambda: clock[0])
+    pace.plain.extend([1.0] * speculate.PACE_STEPS)  # as if plain steps of 1 had been timed
+    assert_same(reference, run(model, ids, "none", tmp_path, g, pace=pace))
+    assert len(kept) == len(verify_steps) > 0
+    assert all(n > 1 for n in kept)  # its own guesses: some kept in every verify step
+    if verify_cost < 1:  # every one paid: guessing never paused
+        assert g.stats["unpaid"] == 0 and len(kept) > 6
+    else:  # none paid, whatever they kept: 1, 2, 4, 8 ... plain steps between them
+        assert g.stats["unpaid"] == len(kept) <= 6 and g.stats["steps"] > len(kept)
 
 
 class Crash(Exception):
