@@ -281,15 +281,19 @@ def generate(model, cache, prompt_ids, max_new_tokens, sampling=Sampling(), eos_
         stats["kept"] += kept - 1
         stats["tokens"] += kept
         commit(cache, kept)
-        # free text: a verify step whose guesses all fail, or that kept too few to pay for its
-        # rows (Pace), costs more than plain steps, so each such step in a row waits twice as long
-        # before guessing again (1, 2, 4 ... BACKOFF steps), then guesses one token; guesses all
-        # kept double the next guess count, up to k
-        failed = kept == 1 or not pace.paid(pace.clock() - start, kept)
-        stats["unpaid"] += failed
+        # free text: a verify step whose guesses all fail costs more than plain steps, and so
+        # does one that kept them all and still did not pay (Pace: guessing costs too much here),
+        # so each such step in a row waits twice as long before guessing again (1, 2, 4 ...
+        # BACKOFF steps), then guesses one token; one that kept some and did not pay guesses
+        # fewer next time; guesses all kept double the next guess count, up to k
+        paid = pace.paid(pace.clock() - start, kept)
+        stats["unpaid"] += not paid
+        failed = kept == 1 or (not paid and kept - 1 == len(guesses))
         idle = backoff if failed else 0
         backoff = min(2 * backoff, BACKOFF) if failed else 1
-        if kept - 1 == len(guesses):
+        if failed:
+            k_now = 1
+        elif kept - 1 == len(guesses):
             k_now = min(speculator.k, 2 * len(guesses))
         else:
             k_now = kept  # the guesses kept, and one more
