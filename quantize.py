@@ -94,6 +94,12 @@ def dequantize(q, scales, dtype=torch.float32):
     return q.to(dtype) * scales.to(dtype)[:, None]
 
 
+def as_bf16(t):
+    """t in bf16: itself where it is (a decode step's activations and scales; a cast that does
+    nothing is still a call, and a step makes hundreds)."""
+    return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
+
+
 def int8_matmul(x, q, scales, kernel=None):
     """x [..., K] @ (q [N, K] * scales [N, 1])^T -> [..., N] in x's dtype. kernel: None chooses
     (CPU kernel for up to KERNEL_MAX_ROWS rows), True / False force it (tests compare the two)."""
@@ -104,8 +110,8 @@ def int8_matmul(x, q, scales, kernel=None):
     if kernel and _KERNEL is not None and K % KERNEL_K_MULTIPLE == 0:
         # the kernel wants bf16 activations contiguous in K and scales of the activation dtype
         # (model.to(dtype) may have cast the scales)
-        x_bf16 = x2.to(torch.bfloat16).contiguous()
-        y = _KERNEL(x_bf16, q, scales.to(torch.bfloat16)).to(x.dtype)  # [M, N]
+        y = _KERNEL(as_bf16(x2).contiguous(), q, as_bf16(scales))      # [M, N]
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
     else:
         # [M, N]; the cast is exact, the scale is per column
         y = F.linear(x2, q.to(x.dtype)) * scales.to(x.dtype)
@@ -294,9 +300,8 @@ def int4_matmul(x, packed, scales_and_zeros, group_size, packing, kernel=None):
         y = _INT4_CUDA_MM(x_bf16, packed, group_size, sz).to(x.dtype)  # [M, N]
     elif packing == "cpu" and kernel:
         # bf16: the kernel's fp32 path is ~40x slower (measured here)
-        x_bf16 = x2.to(torch.bfloat16).contiguous()
-        sz = scales_and_zeros.to(torch.bfloat16)
-        y = _INT4_CPU_MM(x_bf16, packed, group_size, sz).to(x.dtype)   # [M, N]
+        y = _INT4_CPU_MM(as_bf16(x2).contiguous(), packed, group_size, as_bf16(scales_and_zeros))
+        y = y if y.dtype == x.dtype else y.to(x.dtype)                # [M, N]
     else:
         q = unpack_cpu_kernel(packed) if packing == "cpu" else unpack_int4(packed)  # [N, K]
         y = F.linear(x2, dequantize_int4(q, scales_and_zeros, x.dtype))             # [M, N]
