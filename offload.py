@@ -114,8 +114,6 @@ class TieredStore:
         # the device tier: each layer's open chunk, the window, its buffers (self.chunks)
         self.open = [None] * n_layers
         self.resident = {}   # (layer, j) -> device chunk [2, B, G, C, D]
-        # (layer, first chunk, chunks) -> (their Locs, their runs): views a decode step reuses
-        self.group_runs = {}
         self.on_device = [[] for _ in range(n_layers)]  # per layer: its resident j, ascending
         self.loc = {}        # (layer, j) -> Loc of every sealed chunk
         self.peak_device_bytes = 0
@@ -274,24 +272,21 @@ class TieredStore:
                 yield self.load(layer, j)[None]
                 self.release(layer, j)
             return
-        chunks = None
         if not staged:
             locs = tuple(self.loc[(layer, j)] for j in js)
-            key = (layer, js[0], len(js))
-            cut = self.group_runs.get(key)
-            if cut is None or cut[0] != locs:  # cut afresh: the first time, or a chunk moved
-                chunks = [self.load(layer, j) for j in js]  # in place
-                bases = {"device": self.chunks.arena(layer), "host": self.host.flat,
-                         "disk": self.disk and not self.staged and self.disk.flat(layer)}
-                cut = (locs, self.chunks.runs(chunks, [bases[where.tier] for where in locs]))
-                if DISK not in locs:  # kept where chunks stay put: a mapping may be remade
-                    self.group_runs[key] = cut
-            if not self.cuda or len(cut[1]) == 1:
-                yield from cut[1]
+            runs = self.chunks.runs_of((layer, js[0], len(js)), locs, lambda: self.cut(layer, js))
+            if not self.cuda or len(runs) == 1:
+                yield from runs
                 return
-            chunks = chunks or [self.load(layer, j) for j in js]
-        yield self.chunks.gather(js, chunks, lambda j: self.load(layer, j),
-                                 lambda j: self.release(layer, j))
+        yield self.chunks.gather(js, None if staged else [self.load(layer, j) for j in js],
+                                 lambda j: self.load(layer, j), lambda j: self.release(layer, j))
+
+    def cut(self, layer, js):
+        """Chunks js of layer, read in place, cut into runs of one view each (pools.chunk_runs)."""
+        bases = {"device": self.chunks.arena(layer), "host": self.host.flat,
+                 "disk": self.disk and not self.staged and self.disk.flat(layer)}
+        return self.chunks.runs([self.load(layer, j) for j in js],
+                                [bases[self.loc[(layer, j)].tier] for j in js])
 
     def release(self, layer, j):
         if not self.staged or self.loc[(layer, j)] is DEVICE:
@@ -343,7 +338,8 @@ class TieredStore:
             if self.cuda:
                 with torch.cuda.stream(self.evict_stream):
                     self.host.slots[slot].copy_(kv, non_blocking=True)
-                    fence.event = self.evicted[(l, j)] = self._event(self.evict_stream)
+                    # rule 4, 5: the eviction's copy (in and out) ends here
+                    fence.event = self.evicted[(l, j)] = self.evict_stream.record_event()
             else:
                 self.host.slots[slot].copy_(kv)
             self.loc[(l, j)] = Loc("host", slot)
@@ -353,7 +349,7 @@ class TieredStore:
                 bounce = self.bounce_free.get()  # blocks while every bounce awaits its disk write
                 with torch.cuda.stream(self.evict_stream):
                     bounce.copy_(kv, non_blocking=True)
-                    fence.event = self._event(self.evict_stream)
+                    fence.event = self.evict_stream.record_event()  # rule 4, 5: as above
                 self.count("d2h", self.chunk_bytes)
                 self.written[(l, j)] = self.writer.submit(self._write_from_bounce, l, j, bounce,
                                                           fence.event)
@@ -409,11 +405,6 @@ class TieredStore:
                 self.evicted[(l, j)].synchronize()  # rule 4: the eviction into host memory is done
             as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
 
-    def _event(self, stream):
-        e = torch.cuda.Event()
-        e.record(stream)  # rule 4, 5: an eviction's copy (in and out) ends here
-        return e
-
     def _device_buffer(self, layer):
         kv = self.chunks.take(layer)
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes())
@@ -445,7 +436,6 @@ class TieredStore:
                 "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
-        self.group_runs.clear()
         for worker in filter(None, (self.reader, self.writer)):
             worker.shutdown(wait=True)
         if self.cuda:

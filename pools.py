@@ -122,6 +122,7 @@ class DeviceChunks:
         self.group = None  # [GROUP_CHUNKS, *shape], made at the first group that needs it
         self.group_slots = 0
         self.runs = chunk_runs
+        self.kept_runs = {}  # (layer, first chunk, chunks) -> (their Locs, their runs)
 
     def take(self, layer):
         """A chunk buffer for layer's next open chunk: one given back, else a new one."""
@@ -141,6 +142,19 @@ class DeviceChunks:
                                                      self.device)
             self.chunks[layer] = chunks[::-1]  # popped from the end: slot 0 first
         return self.chunks[layer].pop()
+
+    def runs_of(self, key, locs, cut):
+        """A group's runs (key: layer, first chunk, chunks; locs: where each chunk is): the last
+        step's while every chunk is where it was (device arena, host pool: the same views step
+        after step, and a decode step cuts every layer's groups), else cut() afresh. A group with
+        a chunk on disk is cut every time: a mapping may be remade."""
+        kept = self.kept_runs.get(key)
+        if kept is not None and kept[0] == locs:
+            return kept[1]
+        runs = cut()
+        if DISK not in locs:
+            self.kept_runs[key] = (locs, runs)
+        return runs
 
     def arena(self, layer):
         """The flat buffer of layer's chunks, or None without arenas."""

@@ -223,17 +223,17 @@ def test_sliding_window_cached_and_offloaded(pair, windowed_make_cache, monkeypa
     loads = []  # (position of the step, layer, chunk) of every load
     at = [0]    # the position the step in flight starts at
     real_begin = KVCache.begin
-    real_load = TieredStore.load
+    real_load_group = TieredStore.load_group
 
     def begin(self, T, decode=False):
         at[0] = self.length
         return real_begin(self, T, decode)
 
-    def load(self, layer, j):
-        loads.append((at[0], layer, j))
-        return real_load(self, layer, j)
+    def load_group(self, layer, js):  # attention reads every sealed chunk through it
+        loads.extend((at[0], layer, j) for j in js)
+        return real_load_group(self, layer, js)
     monkeypatch.setattr(KVCache, "begin", begin)
-    monkeypatch.setattr(TieredStore, "load", load)
+    monkeypatch.setattr(TieredStore, "load_group", load_group)
 
     base = run(ours, ids, N_NEW, chunk)
     loads_none = list(loads)
