@@ -246,7 +246,6 @@ class Attention(nn.Module):
             y = cache.attend(layer, q, k, v)  # [B, H, T, D]
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, H * D))  # [B, T, E]
 
-
     def project(self, x, cos, sin):
         """x [B, T, E] -> q [B, H, T, D], k, v [B, G, T, D], q and k rotated (RoPE). The heads are
         counted from the projections: a tensor-parallel rank holds a share of them."""
@@ -255,7 +254,7 @@ class Attention(nn.Module):
         y = self.qkv.joint(x) if self.qkv else None               # [B, T, (H + 2G) * D]
         if y is None:
             qkv = [linear(w, x) for w in (self.wq, self.wk, self.wv)]
-            q, k, v = (y.reshape(B, T, -1, D).transpose(1, 2) for y in qkv)
+            q, k, v = (p.reshape(B, T, -1, D).transpose(1, 2) for p in qkv)
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q and k rotated by one call of each operation (a decode step's calls cost more than their
         # bytes); element by element, so the bits are those of two calls
