@@ -369,17 +369,16 @@ class Int4Linear(nn.Module):
         which is checked on the bytes. The scales [K/g, N, 2] are copied (the kernel takes them
         contiguous, which a view of the joint ones would not be)."""
         first = layers[0]
-        if {(l.group_size, l.packing) for l in layers} != {(first.group_size, first.packing)}:
-            return None
-        joint = cls(first.in_features, sum(l.out_features for l in layers),
-                    bias=first.bias is not None, device="meta", group_size=first.group_size)
-        joint.packing = first.packing
         unpack = {"cpu": unpack_cpu_kernel, "plain": unpack_int4}.get(first.packing)
-        if unpack is None:  # the CUDA kernel's tiles: not joined
+        if unpack is None or {(l.group_size, l.packing) for l in layers} != {
+                (first.group_size, first.packing)}:  # the CUDA kernel's tiles, mixed packings
             return None
         q = torch.cat([unpack(l.weight) for l in layers])                # [sum N, K]
         if not torch.equal(unpack(torch.cat([l.weight for l in layers])), q):
             return None
+        joint = cls(first.in_features, sum(l.out_features for l in layers),
+                    bias=first.bias is not None, device="meta", group_size=first.group_size)
+        joint.packing = first.packing
         concatenate(layers, joint, ("scales_and_zeros",), dim=1, share=False)
         return concatenate(layers, joint, ("weight", "bias"))
 

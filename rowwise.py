@@ -140,7 +140,7 @@ class Joint:
     def of(cls, layers):
         """A Joint of layers, or None where they cannot be one (kinds that do not join, mixed
         kinds, dtypes, devices or biases). A kind joins through its `joined(layers)`: Linear's
-        below, the quantized kinds' in quantize.py."""
+        above, the quantized kinds' in quantize.py."""
         kind = type(layers[0])
         if not all(type(l) is kind for l in layers) or not hasattr(kind, "joined"):
             return None
