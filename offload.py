@@ -21,7 +21,8 @@ V at [1]). The store's verbs, in the order generate.forward calls them:
 The store moves bytes; which chunks a step reads is the cache's selection, which leave the device
 the placement. DeviceChunks, HostPool and Staging (pools.py) hold them; a reader thread (disk
 reads, zstd) and a writer thread (disk writes, syncs) move them, so that a chunk boundary never
-delays the next prefetch.
+delays the next prefetch. The staging verbs (prefetch, release: what crosses ahead of attention,
+and how) are the store's Prefetcher half, in prefetch.py.
 
 Stream ordering on CUDA. Missing synchronisation between the compute stream and a copy stream
 corrupts KV silently, so every wait is marked in the code as "rule N":
@@ -49,7 +50,20 @@ import torch
 
 from disk import ALIGN, DiskTier, as_bytes, round_up
 from policy import Placement, host_budget_refusal, plan_tiers
-from pools import DEVICE, DISK, DeviceChunks, Fence, HostPool, Loc, OffloadError, Staging, on_cuda
+from pools import (
+    DEVICE,
+    DISK,
+    GROUP_CHUNKS,
+    DeviceChunks,
+    Fence,
+    GroupSlot,
+    HostPool,
+    Loc,
+    OffloadError,
+    Staging,
+    on_cuda,
+)
+from prefetch import Prefetcher
 from private import PrivateError, make_private_dir
 
 MODES = ("none", "cpu", "disk")
@@ -65,6 +79,7 @@ class OffloadConfig:
     offload_dir: str = "./kv_cache_offload"  # the disk tier lives in offload_dir/task_<id>/
     compress: str = "none"     # none | zstd (lossless: output stays bit-identical)
     staging_slots: int = 4     # chunks prefetched ahead of attention (device buffers on CUDA)
+    group_buffers: int = 2     # CUDA, host tier: buffers a host-pool run crosses into as one copy
     keep_files: bool = False   # keep the task's directory after success; always kept on failure
     # what a decode step reads (policy.py): --select, --select-budget tokens, --select-dense layers
     select: str = "all"
@@ -75,7 +90,7 @@ class OffloadConfig:
 # -----------------------------------------------------------------------------
 # the store
 
-class TieredStore:
+class TieredStore(Prefetcher):
     """The chunks of one task (one sequence batch) across device, host and disk. Every keyword has
     one meaning: shape/dtype of a chunk, n_layers, max_length (positions the task may reach),
     device, cfg (OffloadConfig); disk_path (the task's directory), restore (a manifest's "chunks",
@@ -90,8 +105,9 @@ class TieredStore:
                                f"{COMPRESSIONS}")
         if cfg.compress == "zstd" and cfg.mode != "disk":
             raise OffloadError("--compress zstd applies to the disk tier only; add --offload disk")
-        if C < 1 or cfg.window < 0 or cfg.staging_slots < 1:
-            raise OffloadError("--chunk-size and staging slots must be >= 1 and --window >= 0")
+        if C < 1 or cfg.window < 0 or cfg.staging_slots < 1 or cfg.group_buffers < 0:
+            raise OffloadError("--chunk-size and staging slots must be >= 1, --window and "
+                               "--group-buffers >= 0")
         self.shape = shape
         self.dtype = dtype
         self.n_layers = n_layers
@@ -153,7 +169,10 @@ class TieredStore:
         self.staged = offloading and (self.cuda or cfg.compress == "zstd")
         # no step reads more chunks than the task has: more slots would be memory never used
         n_slots = min(cfg.staging_slots, n_layers * self.n_chunks) if self.staged else 0
-        self.staging = Staging(n_slots, shape, dtype, self.device, self.cuda)
+        # CUDA's group buffers (two: one crossing, one attended), each as long as a run can be
+        run = min(GROUP_CHUNKS, self.n_chunks - 1 - self.window)
+        groups = cfg.group_buffers if self.cuda and plan.host > 1 and run > 1 else 0
+        self.staging = Staging(n_slots, shape, dtype, self.device, self.cuda, groups, run)
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)   # host/disk -> device: prefetches
             self.evict_stream = torch.cuda.Stream(self.device)  # device -> host: evictions
@@ -172,72 +191,6 @@ class TieredStore:
 
     # ---- a step: prefetch, open_chunk, load, release ---------------------------------------------
 
-    def prefetch(self, reads):
-        """Start of a step: queue the chunks it reads, [(layer, j), ...] in attention's order (all
-        of layer 0's, then layer 1's, ...), so that the next layer's first chunks arrive while this
-        layer's last are attended. Chunks on the device need nothing."""
-        st = self.staging
-        while st.inflight:  # a step that failed half-way left copies in flight: let them land first
-            st.inflight.popleft()[3].result()
-        st.queue.clear()
-        st.free = list(range(len(st.slots) - 1, -1, -1))
-        self.prefetch_more(reads)
-
-    def prefetch_more(self, reads):
-        """Queue more of this step's reads, after those already queued: a layer whose selection
-        needs its own queries decides them only when it runs (policy.Quest)."""
-        order = [key for key in reads if self.loc[key] is not DEVICE]
-        if self.staged:
-            self.staging.queue.extend(order)
-            self._pump()
-        elif self.disk is not None and order:
-            # CPU, raw disk: attention reads the mapping in place; ask the OS to page in, ahead of
-            # use, whatever it has evicted
-            self.reader.submit(self.disk.advise_chunks, [k for k in order if self.loc[k] is DISK])
-
-    def _pump(self):
-        st = self.staging
-        while st.queue and st.free:
-            l, j = st.queue.popleft()
-            slot = st.free.pop()
-            where = self.loc[(l, j)]
-            if self.cuda and where.tier == "host":  # pinned memory: an async copy, no thread needed
-                fut = Future()
-                fut.set_result(self._copy_in(l, j, slot, self.host.slots[where.slot]))
-            else:
-                fut = self.reader.submit(self._stage, l, j, slot)
-            st.inflight.append((l, j, slot, fut))
-
-    def _stage(self, l, j, slot):
-        """Reader thread: bring chunk (l, j) from disk (or, CPU with zstd, from the host pool) into
-        staging slot."""
-        where, dst = self.loc[(l, j)], self.staging.slots[slot]
-        if where is DISK:
-            self.written[(l, j)].result()  # its write has landed (or raises its DiskError)
-        if not self.cuda:  # CPU, zstd only: decompress a disk chunk straight into the slot
-            if where is DISK:
-                self.count("disk_read", self.disk.read_into(l, j, dst))
-            else:  # a host-pool chunk in front of a zstd disk tier (numpy copies: see disk.py)
-                as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
-            return
-        bounce = self.read_bounces.slots[slot]
-        self.staging.ready[slot].synchronize()  # rule 4: the last copy out of this bounce is done
-        self.count("disk_read", self.disk.read_into(l, j, bounce))
-        self._copy_in(l, j, slot, bounce)
-
-    def _copy_in(self, l, j, slot, src):
-        """Issue the host-to-device copy of a pinned chunk into staging slot `slot`, on the copy
-        stream."""
-        st = self.staging
-        stream = self.copy_stream
-        with torch.cuda.stream(stream):
-            stream.wait_event(st.released[slot])  # rule 3: attention has finished with the slot
-            if self.loc[(l, j)].tier == "host":
-                stream.wait_event(self.evicted[(l, j)])  # rule 4: the eviction into src is done
-            st.slots[slot].copy_(src, non_blocking=True)
-            st.ready[slot].record(stream)  # rule 2: attention waits for this before reading
-        self.count("h2d", self.chunk_bytes)
-
     def open_chunk(self, layer):
         if self.open[layer] is None:
             self.open[layer] = self._device_buffer(layer)
@@ -255,9 +208,17 @@ class TieredStore:
             # read by attention itself, page cache or disk
             self.count("disk_mapped_read", self.chunk_bytes)
             return self.disk.view(layer, j)
-        l, jj, slot, fut = self.staging.inflight[0]  # staged (CUDA, zstd): the queue's head
+        inflight = self.staging.inflight  # staged (CUDA, zstd): the queue's head, or further into
+        k = 0                             # the group copy at the head (its chunks load together)
+        while inflight[k][:2] != key and getattr(inflight[k][2], "last", True) is False:
+            k += 1
+        l, jj, slot, fut = inflight[k]
         assert (l, jj) == key, f"prefetch order broken: expected {(l, jj)}, attention asked {key}"
         fut.result()  # re-raises an I/O error of the reader here, in the step that needed the chunk
+        if isinstance(slot, GroupSlot):  # chunk i of a group buffer (prefetch.py)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(self.staging.group_ready[slot.g])  # rule 2
+            return self.staging.groups[slot.g][slot.i]
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.staging.ready[slot])  # rule 2
         return self.staging.slots[slot]
@@ -267,10 +228,9 @@ class TieredStore:
         call: CUDA one run (copied to the group buffer unless a view of the arena: the same calls
         in every mode); CPU: runs at one stride in one buffer, a staged chunk alone, released."""
         staged = self.staged and {self.loc[(layer, j)] for j in js} != {DEVICE}
-        if staged and not self.cuda:  # CPU, zstd: slot by slot
-            for j in js:
-                yield self.load(layer, j)[None]
-                self.release(layer, j)
+        first = next((e[2] for e in self.staging.inflight), None) if staged else None
+        if staged and (not self.cuda or isinstance(first, GroupSlot)):
+            yield from self.staged_runs(layer, js)
             return
         if not staged:
             locs = tuple(self.loc[(layer, j)] for j in js)
@@ -287,16 +247,6 @@ class TieredStore:
                  "disk": self.disk and not self.staged and self.disk.flat(layer)}
         return self.chunks.runs([self.load(layer, j) for j in js],
                                 [bases[self.loc[(layer, j)].tier] for j in js])
-
-    def release(self, layer, j):
-        if not self.staged or self.loc[(layer, j)] is DEVICE:
-            return
-        st = self.staging
-        _, _, slot, _ = st.inflight.popleft()
-        if self.cuda:
-            st.released[slot].record(torch.cuda.current_stream(self.device))  # rule 3
-        st.free.append(slot)
-        self._pump()
 
     # ---- a chunk boundary: seal, offload ---------------------------------------------------------
 
@@ -334,7 +284,12 @@ class TieredStore:
         self.on_device[l].remove(j)
         fence = Fence()
         if tier == "host":
-            slot = self.host.free.pop()
+            # the layer's chunks of a block side by side, so that on CUDA they cross as one copy:
+            # as many slots as the block has chunks that leave the device (all but the open
+            # chunk and the window, the default placement's)
+            b = j // GROUP_CHUNKS
+            size = max(1, min(GROUP_CHUNKS, self.n_chunks - 1 - self.window - b * GROUP_CHUNKS))
+            slot = self.host.take((l, b), j % GROUP_CHUNKS, size)
             if self.cuda:
                 with torch.cuda.stream(self.evict_stream):
                     self.host.slots[slot].copy_(kv, non_blocking=True)
@@ -414,7 +369,8 @@ class TieredStore:
 
     def device_bytes(self):
         """KV bytes held on the compute device: open, window and free chunks plus staging slots."""
-        slots = self.chunks.made + len(self.staging.slots) + self.chunks.group_slots
+        st = self.staging
+        slots = self.chunks.made + len(st.slots) + len(st.group_slots) + self.chunks.group_slots
         return slots * self.slot_bytes
 
     def snapshot(self, open_positions=0):

@@ -2,7 +2,7 @@
 The buffers the store (offload.py) moves chunks between, and the small types it speaks in: where a
 chunk lives (Loc), what must finish before a buffer is reused (Fence), chunk allocation with one
 alignment in every tier, the host pool (pinned on CUDA by registering its exact bytes) and the
-staging slots prefetched chunks land in.
+staging slots and group buffers prefetched chunks land in.
 """
 from collections import deque
 from concurrent.futures import Future
@@ -179,11 +179,16 @@ class HostPool:
     """`n` chunk slots in host memory, allocated once. With pin=True their exact bytes are
     page-locked by registering them with the CUDA driver, and unregistered at close(): torch's
     pinned allocator would round each request up to a power of two and keep it pinned until the
-    process exits (a 9 GiB budget would pin 16 GiB, for good)."""
+    process exits (a 9 GiB budget would pin 16 GiB, for good). A chunk keeps its slot until the
+    task ends, and the chunks of one layer's block (GROUP_CHUNKS consecutive chunks, a group of
+    attention's) get consecutive slots where the pool has room (take), so that on CUDA a group
+    crosses to the device as one copy."""
 
     def __init__(self, n, shape, dtype, pin):
         self.flat, self.slots = alloc_chunks(n, shape, dtype, "cpu")
-        self.free = list(range(n - 1, -1, -1))
+        self.free = set(range(n))  # slots no chunk has taken
+        self.fresh = 0             # slots from here on: in no block's extent yet
+        self.extents = {}          # block -> the first of its consecutive slots
         self.pinned_bytes = 0
         if pin and n:
             self.pinned_bytes = self.flat.numel()
@@ -193,25 +198,65 @@ class HostPool:
                                    "for the host tier; lower --cpu-budget (or raise the "
                                    "locked-memory limit, ulimit -l)")
 
+    def take(self, block, index, size):
+        """A slot for the chunk at `index` of `block` (a layer's run of `size` <= GROUP_CHUNKS
+        chunks): slot index of the block's extent, `size` consecutive slots reserved at its first
+        chunk while that many were never reserved, else the highest free slot (a full pool, or a
+        placement that sends a block's chunks elsewhere: only a copy per chunk is lost)."""
+        if block not in self.extents and self.fresh + size <= len(self.slots):
+            self.extents[block] = self.fresh
+            self.fresh += size
+        slot = self.extents[block] + index if block in self.extents else -1
+        if slot not in self.free:
+            slot = max(self.free)
+        self.free.remove(slot)
+        return slot
+
     def close(self):
         if self.pinned_bytes:
             torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
             self.pinned_bytes = 0
 
 
+class GroupSlot:
+    """Where a chunk staged by a group copy sits: chunk i of group buffer g, the last of its copy
+    or not (its release frees the buffer)."""
+
+    def __init__(self, g, i, last):
+        self.g, self.i, self.last = g, i, last
+
+
 class Staging:
     """`n` device slots that prefetched chunks land in, in attention's order, a few chunks ahead of
-    it. On CUDA each slot has an event recorded when its copy is issued (ready) and one recorded
-    when attention is done with it (released); both are recorded once at creation so that the first
-    wait on them waits for nothing pending."""
+    it; on CUDA with a host tier also `groups` group buffers of `run` chunks each (GROUP_CHUNKS, or
+    fewer where a layer offloads fewer), which a run of a layer's consecutive chunks lying side by
+    side in the host pool fills with one copy
+    (TieredStore._pump): two of them, so that one group crosses while attention reads the other.
+    On CUDA each slot and group buffer has an event recorded when its copy is issued (ready) and
+    one recorded when attention is done with it (released); both are recorded once at creation so
+    that the first wait on them waits for nothing pending."""
 
-    def __init__(self, n, shape, dtype, device, cuda):
+    def __init__(self, n, shape, dtype, device, cuda, groups=0, run=GROUP_CHUNKS):
         self.flat, self.slots = alloc_chunks(n, shape, dtype, device)
         self.free = list(range(n - 1, -1, -1))
         self.queue = deque()     # (layer, j) to stage
-        self.inflight = deque()  # (layer, j, slot, future) staged
+        self.inflight = deque()  # (layer, j, slot or GroupSlot, future) staged
+        self.group_flat, self.group_slots = alloc_chunks(groups * run, shape, dtype,
+                                                         device) if groups else (None, [])
+        # [run, *shape] each
+        self.groups = [group_view(self.group_slots[g * run:(g + 1) * run], self.group_flat)
+                       for g in range(groups)]
+        self.group_free = deque(range(groups))
         if cuda:
             self.ready = [torch.cuda.Event() for _ in range(n)]
             self.released = [torch.cuda.Event() for _ in range(n)]
-            for e in self.ready + self.released:
+            self.group_ready = [torch.cuda.Event() for _ in range(groups)]
+            self.group_released = [torch.cuda.Event() for _ in range(groups)]
+            for e in self.ready + self.released + self.group_ready + self.group_released:
                 e.record()  # rule 2, 3: first waits (load, refill, bounce refill) find it recorded
+
+    def reset(self):
+        """Every slot and group buffer free again (prefetch(), once nothing is in flight)."""
+        self.queue.clear()
+        self.free = list(range(len(self.slots) - 1, -1, -1))
+        self.group_free = deque(range(len(self.groups)))

@@ -88,7 +88,8 @@ def run_ours(model, ids, args, mode, tag, new_tokens=None):
     offload, compress = MODE_SPECS[mode]
     cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir,
                         compress=compress, cpu_budget_gib=args.cpu_budget,
-                        staging_slots=args.staging_slots, **select_fields(args))
+                        staging_slots=args.staging_slots,
+                        group_buffers=args.group_buffers, **select_fields(args))
     marks = []  # when the first token was sampled, then when each decode step ended
 
     def on_token(out):

@@ -252,7 +252,8 @@ def check_run(args, model, model_args, skip):
     try:
         cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=args.offload_dir,
                             compress=args.compress, cpu_budget_gib=args.cpu_budget,
-                            staging_slots=args.staging_slots)
+                            staging_slots=args.staging_slots,
+                            group_buffers=args.group_buffers)
         base = verify.run_mode(model, ids, max_new, C, OffloadConfig(), args.kv_dtype)
         run = verify.run_mode(model, ids, max_new, C, cfg, args.kv_dtype)
     except Exception as e:  # what the user's run would meet: reported as the cause, one line

@@ -7,7 +7,9 @@ context within a budget of device memory and one of host memory, measured on thi
 It follows the order in which KV offload is usually tuned, one knob per step:
     1. chunk size (128 to 1024, up to the context): larger = fewer, larger transfers and chunk
        visits per step, more device memory per chunk. Windows: 1, and the most that fit the device
-       budget, where device KV = (L * (window + 1 open chunk) + staging slots) chunks;
+       budget, where device KV = (L * (window + 1 open chunk) + staging slots) chunks, and on
+       CUDA with a host tier two group buffers of up to 16 chunks (prefetch.py) where the budget
+       has room for them (else --group-buffers 0);
     2. tier: none if the whole KV fits the device budget, else cpu if the offloaded part fits
        --cpu-budget, else disk (memory-mapped files, with a host tier of --cpu-budget in front);
     3. compression: the disk tier with and without zstd;
@@ -43,7 +45,7 @@ from measure.random_model import PRESETS, build_random_checkpoint, parse_model_s
 from model import Transformer
 from offload import OffloadConfig
 from policy import TierPlan, plan_tiers
-from pools import OffloadError
+from pools import GROUP_CHUNKS, OffloadError
 from quantize import weight_bytes
 from runs.flags import (
     DEMO_CKPT,
@@ -83,6 +85,7 @@ class Candidate:
     compress: str = "none"
     cpu_budget: float = None     # GiB: the host tier's cap (None for none)
     staging_slots: int = OffloadConfig.staging_slots
+    group_buffers: int = OffloadConfig.group_buffers
     step: int = 1                # the tuning step that made it
     kv: dict = field(default_factory=dict)  # planned KV bytes: device, host, disk
     tiers: TierPlan = None       # planned chunks per tier (policy.plan_tiers)
@@ -134,8 +137,12 @@ def plan(c, model_args, args, cuda):
     # the pinned bounce buffers between the disk and the device
     bounces = (c.staging_slots + L) * slot_b if cuda and c.offload == "disk" else 0
     staging = c.staging_slots if c.staged else 0
+    # CUDA with a host tier: two group buffers, each as long as a layer's run of offloaded chunks
+    # can be (offload.TieredStore, prefetch.py)
+    run = min(GROUP_CHUNKS, tiers.per_layer - 1 - c.window)
+    groups = c.group_buffers * run if cuda and tiers.host > 1 and run > 1 else 0
     # the device: the windows' sealed chunks, each layer's open chunk, the staging slots
-    c.kv = {"device": (tiers.device + L + staging) * slot_b,
+    c.kv = {"device": (tiers.device + L + staging + groups) * slot_b,
             "host": tiers.host * slot_b + bounces, "disk": tiers.disk * slot_b}
     return c
 
@@ -173,11 +180,17 @@ def candidates(model_args, args, cuda):
             for w in sorted({min(1, w_max), w_max}):
                 cpu = Candidate(C, w, "cpu", cpu_budget=args.cpu_budget)
                 c = plan(cpu, model_args, args, cuda)
+                # on CUDA the group buffers (prefetch.py) take device memory too: none where
+                # the budget has no room for them
+                groups = c.group_buffers if c.kv["device"] <= dev else 0
+                cpu.group_buffers = groups
+                c = plan(cpu, model_args, args, cuda)
                 if compress == "none" and c.kv["host"] <= host:
                     out.append(c)
                 elif c.kv["host"] > host:
                     # the tier step: cpu does not fit, disk with a host tier in front
-                    disk = Candidate(C, w, "disk", compress, cpu_budget=args.cpu_budget, step=step)
+                    disk = Candidate(C, w, "disk", compress, cpu_budget=args.cpu_budget, step=step,
+                                     group_buffers=groups)
                     out.append(plan(disk, model_args, args, cuda))
     return out
 
@@ -210,7 +223,8 @@ def as_args(args, c):
     """The namespace bench.run_ours, probe.calibrate and probe.predict_decode read, for one
     candidate."""
     knobs = {"chunk_size": c.chunk_size, "window": c.window, "probe_mib": 8,
-             "cpu_budget": c.cpu_budget, "staging_slots": c.staging_slots}
+             "cpu_budget": c.cpu_budget, "staging_slots": c.staging_slots,
+             "group_buffers": c.group_buffers}
     return argparse.Namespace(**{**vars(args), **knobs})
 
 
@@ -372,6 +386,8 @@ def command(c, args):
         cmd += ["--compress", c.compress]
     if c.staged:
         cmd += ["--staging-slots", c.staging_slots]
+    if c.group_buffers != OffloadConfig.group_buffers:
+        cmd += ["--group-buffers", c.group_buffers]
     if c.offload == "disk":
         cmd += ["--offload-dir", args.offload_dir]
     cmd += ["--device", args.device, "--dtype", args.dtype]

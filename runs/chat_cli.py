@@ -235,6 +235,7 @@ def setup(args):
             settings["select"] = None
         cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                             compress=args.compress, staging_slots=args.staging_slots,
+                            group_buffers=args.group_buffers,
                             **select_fields(args))
         trace = open_trace(args.trace) if args.trace else None
         chat = Chat(model, tok, path, settings, cfg, max_length, args.max_new_tokens, s,

@@ -74,6 +74,11 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     p.add_argument("--staging-slots", type=int, default=OffloadConfig.staging_slots,
                    help="chunks prefetched ahead of attention, device buffers (used on CUDA, and "
                    "with --compress zstd) (default %(default)s)")
+    p.add_argument("--group-buffers", type=int, default=OffloadConfig.group_buffers,
+                   help="CUDA with a host tier: device buffers of up to 16 chunks that a layer's "
+                   "run of host-pool chunks crosses into as one copy, read there by one kernel "
+                   "call; 0: chunk by chunk through the staging slots, for the least device "
+                   "memory (default %(default)s: one crossing while attention reads the other)")
     p.add_argument("--device", default="cuda" if cuda else "cpu",
                    help="cpu or cuda (default %(default)s)")
     p.add_argument("--dtype", choices=DTYPES,
@@ -149,6 +154,8 @@ def check_common(args, needs_disk):
          f"--threads must be >= 1, got {args.threads}"),
         (args.staging_slots >= 1,
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
+        (args.group_buffers >= 0,
+         f"--group-buffers must be >= 0, got {args.group_buffers}"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
         (args.kv_store_budget is None

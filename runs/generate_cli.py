@@ -83,8 +83,8 @@ HELP_GROUPS = {
                    "device", "threads"),
     "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
-                "kv_dtype", "staging_slots", "kv_store", "kv_store_budget", "select",
-                "select_budget", "select_dense"),
+                "kv_dtype", "staging_slots", "group_buffers", "kv_store", "kv_store_budget",
+                "select", "select_budget", "select_dense"),
     "batch (with --prompts)": ("prompts", "output", "batch_size", "keep_cache",
                                "fallback_cpu_budget", "fallback_context"),
     "parallel (under torchrun)": ("tp",),
@@ -241,6 +241,7 @@ def resolve(args):
     cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots,
+                        group_buffers=args.group_buffers,
                         **select_fields(args))
     return cfg, text
 

@@ -60,7 +60,8 @@ def mode_config(mode, args):
     offload, compress = MODE_SPECS[mode]
     return OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir,
                          compress=compress, cpu_budget_gib=args.cpu_budget,
-                         staging_slots=args.staging_slots, **select_fields(args))
+                         staging_slots=args.staging_slots,
+                         group_buffers=args.group_buffers, **select_fields(args))
 
 
 def run_as_task(model, ids, max_new, mode, args, kv_store=None, fingerprint=None, layout=None,

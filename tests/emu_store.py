@@ -60,6 +60,7 @@ def _after_init(out, store, **kwargs):
         return
     tag = f"(store {id(store) % 10000})"
     buffers = [("staging slot", "slot", store.staging.slots),
+               ("group buffer chunk", "slot", store.staging.group_slots),
                ("host pool slot", "host", store.host.slots),
                ("read bounce", "bounce", store.read_bounces.slots),
                ("write bounce", "write bounce", store.write_bounces.slots)]

@@ -1,7 +1,7 @@
 """
-Negative controls for the emulated CUDA tests: remove each stream-ordering statement of offload.py
-and pools.py in turn (it becomes `pass`, same indentation; the other lines of a statement broken
-over several become blank) in a temporary copy of the repository, and expect
+Negative controls for the emulated CUDA tests: remove each stream-ordering statement of offload.py,
+prefetch.py and pools.py in turn (it becomes `pass`, same indentation; the other lines of a
+statement broken over several become blank) in a temporary copy of the repository, and expect
 tests/test_cuda_emulated.py to fail every time. A mutant that survives is a wait no test needs:
 either a missing test or a redundant wait.
 
@@ -22,7 +22,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ("offload.py", "pools.py")
+FILES = ("offload.py", "prefetch.py", "pools.py")
 ORDERING = re.compile(r"\.(wait_event|wait_stream|synchronize|record|record_stream)\(")
 RULE = re.compile(r"#.*\brule (\d)")
 SKIP = {".git", ".venv", ".ci-venv", "__pycache__", ".pytest_cache", "kv_cache_offload", ".whl"}

@@ -129,10 +129,15 @@ class Detector:
 
     def access(self, actor, start, end, write, where):
         """actor reads (or writes) bytes [start, end); check it against the conflicting accesses
-        before it."""
-        b = self.buffer_at(start)
-        if b is None:
-            return  # not one of the store's buffers
+        before it, in every buffer the range covers (a copy of a run of chunks covers several)."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.starts) and self.starts[i] < end:
+            b = self.buffers[self.starts[i]]
+            if b.end > start:
+                self.access_in(b, actor, max(start, b.start), min(end, b.end), write, where)
+            i += 1
+
+    def access_in(self, b, actor, start, end, write, where):
         c = self.clock(actor)
         me = (actor, c[actor], "write" if write else "read", where)
         for (s, e), (last_write, reads) in b.cells.items():

@@ -287,6 +287,11 @@ def test_chunk_size_must_be_positive(text_ckpt, script, size):
     assert_one_line_error(p, "--chunk-size")
 
 
+def test_group_buffers_must_not_be_negative(text_ckpt):
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--group-buffers", -1, ok=False)
+    assert_one_line_error(p, "--group-buffers")
+
+
 def test_prompt_longer_than_model_maximum(text_ckpt, tmp_path):
     f = tmp_path / "long.txt"
     f.write_text(PROMPT * 200)  # well past max_position_embeddings=2048

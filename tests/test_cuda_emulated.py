@@ -2,8 +2,8 @@
 The store's CUDA path (copy stream, events, pinned pools, staging slots, bounce buffers) run on CPU
 under the emulated CUDA of cuda_emu.py: logits bit-identical to --offload none, and no race, no wait
 on an event that is never recorded, no copy still queued when the store closes.
-tests/mutate_waits.py checks these tests fail when any stream-ordering line of offload.py or
-pools.py is removed.
+tests/mutate_waits.py checks these tests fail when any stream-ordering line of offload.py,
+prefetch.py or pools.py is removed.
 """
 import errno
 import os
@@ -161,6 +161,24 @@ def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, comp
     assert_good(emu, base, other, label)
     tier = "host" if mode == "cpu" else "disk"
     assert other[2]["chunks"][tier] > 0, (label, other[2])
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_a_host_run_crosses_as_one_copy_and_chunk_by_chunk_alike(llama, base, tmp_path, window):
+    """The host tier with group buffers (a layer's run of host-pool chunks crosses as one copy
+    into a group buffer, attention reads it there) and without (--group-buffers 0: chunk by chunk
+    into staging slots, gathered): both bit-identical to --offload none and race-free, and the
+    group copies are fewer copies on the copy stream than chunk by chunk."""
+    copies = {}
+    for groups in (2, 0):
+        label = f"cpu window {window} group buffers {groups}"
+        with cuda_emu.emulate(strict_waits=True) as emu:
+            other = run(llama, prompt(P, llama.args.vocab_size), NEW, mode="cpu", window=window,
+                        staging_slots=2, group_buffers=groups)
+        assert_good(emu, base, other, label)
+        copies[groups] = emu.stats["deferred"]  # evictions and prefetches, on the side streams
+        assert other[2]["chunks"]["host"] > 0, (label, other[2])
+    assert copies[2] < copies[0], copies
 
 
 SELECT_CASES = [  # selection, mode, compress, window, staging slots
@@ -354,7 +372,10 @@ def test_a_step_that_fails_half_way_leaves_no_copy_behind(llama, tmp_path, monke
 def test_launch_count_tool_counts_one_attention_call_per_group(checkpoint):
     """tools/launch_count.py counts a decode step's launches on the emulated CUDA path: at 64
     positions in chunks of 8 a layer attends its 8 sealed chunks as one group and the open chunk
-    apart, so 2 attention kernels a layer; the host tier brings chunks with copies; no race."""
+    apart, so 2 attention kernels a layer; no race. The host tier (window 4) brings a layer's 4
+    offloaded chunks, side by side in the host pool, with one copy into a group buffer, and the
+    window's 4 chunks are copied in after them: 5 copies a layer more than --offload none (chunk by
+    chunk it was 12: each offloaded chunk into a staging slot and on into the group buffer)."""
     import json
     import subprocess
     import sys
@@ -370,5 +391,5 @@ def test_launch_count_tool_counts_one_attention_call_per_group(checkpoint):
         counts[mode] = json.loads(p.stdout.strip().splitlines()[-1])
         assert counts[mode]["attention_kernels"] == 2 * layers, counts[mode]
         assert counts[mode]["emulator_problems"] == 0
-    assert counts["cpu"]["copies"] > counts["none"]["copies"]
+    assert counts["cpu"]["copies"] - counts["none"]["copies"] == 5 * layers, counts
     assert counts["cpu"]["launches"] > counts["none"]["launches"]
