@@ -103,3 +103,23 @@ def test_demo_command_runs_offloaded(tmp_path):
     assert "tok/s" in stats and "chunks device/host/disk" in stats
     disk_chunks = int(stats.split("chunks device/host/disk ")[1].split()[0].split("/")[2])
     assert disk_chunks > 0
+
+
+def test_the_quote_tune_starts_from_the_demo_and_quotes_its_own_window(ours, tok):
+    """tools/train_quote.py: the model it tunes is the demo model (the same logits as
+    from_pretrained's), and each window ends with passages that are the window's own text."""
+    import argparse
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.train_quote import load_demo, window
+    x = torch.tensor([[1] + tok.encode("The list of built-in functions")])
+    with torch.no_grad():  # its projections are not joined: the same sums, maybe not their order
+        torch.testing.assert_close(load_demo(DEMO)(x), ours(x))
+    sp = tok.tok
+    stream = torch.tensor(tok.encode(" ".join(f"word{i} and more" for i in range(400))))
+    args = argparse.Namespace(lengths=[300], quote_min=8, quote_max=20, quotes=3)
+    ids, at = window(stream, sp, torch.Generator().manual_seed(0), args)
+    text = sp.decode(ids[:at - 1].tolist())
+    assert ids[at - 1] == sp.piece_to_id("<0x0A>")  # a newline before each passage
+    passages = [p.strip() for p in sp.decode(ids[at:].tolist()).split("\n")]
+    assert len(passages) == 3 and all(p and p in text for p in passages), passages
