@@ -139,7 +139,7 @@ def plan(c, model_args, args, cuda):
     staging = c.staging_slots if c.staged else 0
     # CUDA with a host tier: two group buffers, each as long as a layer's run of offloaded chunks
     # can be (offload.TieredStore, prefetch.py)
-    run = min(GROUP_CHUNKS, tiers.per_layer - 1 - c.window)
+    run = min(GROUP_CHUNKS, tiers.per_layer - 1)
     groups = c.group_buffers * run if cuda and tiers.host > 1 and run > 1 else 0
     # the device: the windows' sealed chunks, each layer's open chunk, the staging slots
     c.kv = {"device": (tiers.device + L + staging + groups) * slot_b,
