@@ -48,7 +48,11 @@ one-row product runs on one thread, at a third of the machine's read bandwidth, 
 into blocks of output rows, one batched call that the threads share (measured in
 docs/performance.md); up to SPLIT_COLUMNS rows take it as as many columns. Its bits are its own, and
 the same in every run, whatever the thread count: the blocks are a function of the weight's shape
-only, and the rows above keep that call as "alone".
+only, and the rows above keep that call as "alone". In half precision on a CPU with AVX512-BF16
+torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for
+2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
+row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
+rows rather than a product a row.
 """
 import copy
 
@@ -62,17 +66,23 @@ SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
+_LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
 
 
 class Linear(nn.Linear):
     """nn.Linear whose product of M <= SPLIT_COLUMNS rows on CPU in fp32 is one batched product of
     the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
-    only."""
+    only; and whose one-row product in half precision on CPU is that of two rows, the second zero,
+    where the library's one-row path sums in another order than its path for more rows
+    (lone_row_padded): then one product serves a batch's or a verify step's rows."""
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
         N, K = w.shape
         M = x.numel() // K                                         # rows
+        if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
+            x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
+            return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         if (M > SPLIT_COLUMNS or w.dtype != torch.float32 or x.dtype != w.dtype
                 or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()):
             return F.linear(x, w, self.bias)
@@ -200,6 +210,43 @@ def rows(fn, key, *xs):
     if _decide(full, lambda: _rows_agree(fn, xs), (str(key), tuple(xs[0].shape[:2]))):
         return fn(*xs)
     return torch.cat([fn(*(x[i:i + 1].clone() for x in xs)) for i in range(B)])
+
+
+def lone_row_padded(layer, x):
+    """Whether layer's one-row product (x [..., K], one row, half precision, CPU) is taken as two
+    rows, the second zero: where the library's one-row product gives other bits than the same row
+    among others. Measured (AMD EPYC with AVX512-BF16, torch 2.13, oneDNN): bf16 products of K >=
+    1536 (1536, 2048, 4096, 14336) give one row other bits than that row in 2 to 16 rows, which all
+    agree with each other and with the row and a zero row; K <= 1024 agree at every count. Decided
+    once per weight shape and layout, x's layout, dtype and thread count, on zero-sum probes (module
+    docstring): a function of shapes and the machine, never of where a chunk lives."""
+    w = layer.weight
+    key = ("lone row", tuple(w.shape), w.stride(), w.dtype, w.data_ptr() % 64, _has_bias(layer),
+           x.stride()[-1], x.dtype, torch.get_num_threads())
+    if key not in _LONE:
+        _LONE[key] = not _lone_row_agrees(layer, x)
+    return _LONE[key]
+
+
+def _lone_row_agrees(layer, x):
+    """The one-row product equals the first row of the row and a zero row, on two zero-sum probes
+    (F.linear itself: the layer's forward asks this question)."""
+    g = torch.Generator().manual_seed(0)
+    K = layer.in_features
+    made = _probe_layer(layer, g)
+    if made is None:
+        return True
+    probe, pairs = made
+    for _ in range(2):
+        v = _magnitudes((1, pairs.shape[1]), g, -6, 7)
+        xp = torch.zeros(2, K)
+        xp[0, pairs[0]] = v[0]
+        xp[0, pairs[1]] = v[0]
+        xp = _like(x.reshape(1, K).expand(2, K).contiguous(), xp)  # [2, K] in x's dtype
+        one = F.linear(xp[:1].clone(), probe.weight, probe.bias)   # [1, N]
+        if not torch.equal(one, F.linear(xp, probe.weight, probe.bias)[:1]):
+            return False
+    return True
 
 
 def one_product(layer, x):

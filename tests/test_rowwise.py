@@ -109,6 +109,71 @@ def test_a_product_that_reorders_for_some_row_counts_is_caught():
     assert decided[(6, 1)] and not decided[(7, 1)] and not decided[(16, 1)]
 
 
+class OneRowPath:
+    """torch.nn.functional with a linear whose one-row product sums K in two halves, another order
+    than its path for more rows (as oneDNN's bf16 product of K >= 1536 on a CPU with AVX512-BF16);
+    more rows are computed a row at a time in one order. Records each call's row count."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    def linear(self, x, w, b=None):
+        rows = x.reshape(-1, x.shape[-1]).float()                      # [M, K]
+        self.calls.append(rows.shape[0])
+        h = rows.shape[1] // 2
+        wf = w.float()
+        if rows.shape[0] == 1:
+            y = rows[:, :h] @ wf[:, :h].T + rows[:, h:] @ wf[:, h:].T
+        else:
+            y = torch.cat([r[None] @ wf.T for r in rows])
+        return y.to(x.dtype).view(*x.shape[:-1], -1)                   # [..., N]
+
+
+def test_a_one_row_path_of_its_own_is_taken_as_two_rows(monkeypatch):
+    """Where the one-row product sums in another order than the product of more rows, a lone row is
+    computed as the row and a zero row: a batch's rows are then one product with their lone bits,
+    instead of a product a row."""
+    fake = OneRowPath()
+    monkeypatch.setattr(rowwise, "F", fake)
+    monkeypatch.setattr(rowwise, "_DECIDED", {})
+    monkeypatch.setattr(rowwise, "_PROBES", {})
+    monkeypatch.setattr(rowwise, "_LONE", {})
+    g = torch.Generator().manual_seed(2)
+    layer = rowwise.Linear(1536, 576, bias=False, dtype=torch.bfloat16)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(torch.bfloat16),
+                                requires_grad=False)
+    x = activations((16, 1, 1536), g).to(torch.bfloat16)
+    # the reference: each row's product in the multi-row path's order, computed here
+    w = layer.weight.float()
+    whole = torch.stack([r.float() @ w.T for r in x]).to(torch.bfloat16)  # [16, 1, 576]
+    with torch.inference_mode():
+        assert torch.equal(lone_rows(layer, x), whole)
+        fake.calls.clear()
+        layer(x[:1])
+        assert fake.calls == [2]  # a lone row: the row and a zero row
+        assert torch.equal(rowwise.linear(layer, x), whole)  # decided on probes, then computed
+        fake.calls.clear()
+        assert torch.equal(rowwise.linear(layer, x), whole)
+    assert fake.calls == [16]  # one product for the 16 rows
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_lone_row_of_the_real_product_is_a_row_of_a_batch(dtype):
+    """The real kernels, whatever this machine decides: every row of a batch of 2 to 16 gets the
+    bits of its lone product (padded or not), for a linear whose K takes oneDNN's other one-row
+    path on CPUs with AVX512-BF16."""
+    g = torch.Generator().manual_seed(4)
+    layer = rowwise.Linear(1536, 576, bias=False, dtype=dtype)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(dtype), requires_grad=False)
+    for B in (2, 7, 16):
+        x = activations((B, 1, 1536), g).to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), B
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_row_wise_operations_give_every_row_its_lone_bits(dtype, threads):
     """The norm, SiLU times up (at a width that is not a multiple of the vector width too), RoPE's
@@ -159,8 +224,9 @@ def test_a_row_function_that_differs_in_a_batch_is_caught():
 @pytest.fixture(scope="module")
 def trained_ckpt(tmp_path_factory):
     """A tied model of trained-scale weights (the demo model's statistics), shapes every kernel
-    takes (int4: N a multiple of 16, K of 32)."""
-    sizes = parse_model_spec("dim=128,layers=2,heads=4,kv_heads=2,hidden=352,vocab=512")
+    takes (int4: N a multiple of 16, K of 32); a down projection of K = 1536, whose lone row takes
+    oneDNN's other path on CPUs with AVX512-BF16 (rowwise.lone_row_padded)."""
+    sizes = parse_model_spec("dim=128,layers=2,heads=4,kv_heads=2,hidden=1536,vocab=512")
     return build_random_checkpoint(sizes, str(tmp_path_factory.mktemp("trained")), torch.bfloat16,
                                    trained_scale=True, tied=True, max_positions=4096)
 
