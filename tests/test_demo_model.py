@@ -4,6 +4,7 @@ logits agree with ours, and our plain greedy decoding reproduces the golden ids 
 generate produced (tools/make_golden.py).
 """
 import json
+import math
 import os
 
 # the model is a local directory; the Hub is never needed
@@ -123,3 +124,21 @@ def test_the_quote_tune_starts_from_the_demo_and_quotes_its_own_window(ours, tok
     assert ids[at - 1] == sp.piece_to_id("<0x0A>")  # a newline before each passage
     passages = [p.strip() for p in sp.decode(ids[at:].tolist()).split("\n")]
     assert len(passages) == 3 and all(p and p in text for p in passages), passages
+
+
+def test_the_quote_score_of_a_model_that_knows_nothing(tok):
+    """tools/train_quote.py --eval: a model whose logits are all equal has loss ln V on text and
+    passages alike, and its greedy token (id 0, <unk>, which encoding never gives) copies
+    nothing."""
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.train_quote import score
+    V = tok.tok.get_piece_size()
+    stream = torch.tensor(tok.encode(" ".join(f"word{i} and more" for i in range(400))))
+    assert (stream != 0).all()
+
+    def flat(x):  # [1, N] -> [1, N, V], every logit 0
+        return torch.zeros(*x.shape, V)
+    text, passages, copied = score(flat, stream, tok.tok, 300, windows=2)
+    assert abs(text - math.log(V)) < 1e-5 and abs(passages - math.log(V)) < 1e-5
+    assert copied == 0

@@ -7,6 +7,7 @@ trained on 256-token windows and at 6K it rarely repeats its document (docs/spec
 pretrained model of the size this project targets does. CPU, fp32, deterministic given --seed.
 
     python tools/train_quote.py --out /tmp/demo-quote            # ~25 min on two cores
+    python tools/train_quote.py --eval /tmp/demo-quote --lengths 1024,6144   # does it quote?
     python tools/speculation.py --ckpt /tmp/demo-quote --tasks quote,free --contexts 6144
 
 A window is S tokens of the training stream (S drawn from --lengths), then --quotes passages of
@@ -69,10 +70,30 @@ def loss_on(model, ids, quote_at):
     return losses[:quote_at - 1].mean() + losses[quote_at - 1:].mean()
 
 
+def score(model, stream, sp, length, windows=3, seed=1):
+    """How well `model` quotes: over `windows` windows of `length` tokens of `stream`, each followed
+    by two passages of 64-128 tokens quoted from it, (mean loss over the text, mean loss over the
+    passages, the share of passage tokens that are the model's greedy token)."""
+    args = argparse.Namespace(lengths=[length], quotes=2, quote_min=64, quote_max=128)
+    gen = torch.Generator().manual_seed(seed)
+    text, passages, copied = [], [], []
+    for _ in range(windows):
+        ids, quote_at = window(stream, sp, gen, args)
+        with torch.no_grad():
+            logits = model(ids[None, :-1])[0]                         # [N-1, V]
+        losses = F.cross_entropy(logits, ids[1:], reduction="none")   # [N-1]
+        text.append(losses[:quote_at - 1].mean().item())
+        passages.append(losses[quote_at - 1:].mean().item())
+        copied.append((logits[quote_at - 1:].argmax(-1) == ids[quote_at:]).float().mean().item())
+    return tuple(sum(v) / windows for v in (text, passages, copied))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default=DEMO, help="the model to tune")
-    p.add_argument("--out", required=True, help="output Hugging Face directory")
+    p.add_argument("--out", help="output Hugging Face directory")
+    p.add_argument("--eval", metavar="DIR", help="only score DIR (a tuned model, or the demo's) on "
+                   "held-out windows of each --lengths: text loss, passage loss, greedy copy")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lengths", default="1024,2048,4096,6144",
@@ -84,6 +105,18 @@ def main():
     p.add_argument("--minutes", type=float, default=40.0, help="safety cap: stops early")
     args = p.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    if args.eval:
+        sp = spm.SentencePieceProcessor(model_file=os.path.join(args.eval, "tokenizer.model"))
+        _, held_out = split(corpus(), 0.05)  # the demo's own split: text no model here trained on
+        stream = encode(held_out, sp)
+        model = load_demo(args.eval).eval()
+        for n in args.lengths:
+            t, q, c = score(model, stream, sp, n)
+            print(f"{args.eval} at {n} tokens: text loss {t:.2f}, passage loss {q:.2f}, "
+                  f"greedy copy {c:.2f}")
+        return
+    if not args.out:
+        p.error("--out DIR is needed to train (or --eval DIR to score)")
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
 
