@@ -61,6 +61,7 @@ from pools import (
     Loc,
     OffloadError,
     Staging,
+    group_run,
     on_cuda,
 )
 from prefetch import Prefetcher
@@ -170,8 +171,7 @@ class TieredStore(Prefetcher):
         # no step reads more chunks than the task has: more slots would be memory never used
         n_slots = min(cfg.staging_slots, n_layers * self.n_chunks) if self.staged else 0
         # CUDA's group buffers (two: one crossing, one attended), each as long as a run can be
-        # (the window's chunks of the block are copied in after a run: room for them too)
-        run = min(GROUP_CHUNKS, self.n_chunks - 1)
+        run = group_run(self.n_chunks)
         groups = cfg.group_buffers if self.cuda and plan.host > 1 and run > 1 else 0
         self.staging = Staging(n_slots, shape, dtype, self.device, self.cuda, groups, run)
         if self.cuda:

@@ -62,6 +62,13 @@ def alloc_chunks(n, shape, dtype, device):
 GROUP_CHUNKS = 16
 
 
+def group_run(n_chunks):
+    """Chunks a CUDA group buffer holds for a task of n_chunks a layer: a block's run of host-pool
+    chunks, and the window's chunks of the block copied in after it (prefetch.py); never the open
+    chunk. The store sizes its buffers by it and the tuner counts them by it."""
+    return min(GROUP_CHUNKS, n_chunks - 1)
+
+
 def group_view(chunks, base):
     """Chunks [*shape] of one dtype as one tensor [n, *shape] without a copy, when they sit at one
     stride, in order, inside `base` (a flat uint8 tensor over their memory: a layer's device arena,

@@ -242,7 +242,7 @@ def _lone_row_agrees(layer, x):
         xp = torch.zeros(2, K)
         xp[0, pairs[0]] = v[0]
         xp[0, pairs[1]] = v[0]
-        xp = _like(x.reshape(1, K).expand(2, K).contiguous(), xp)  # [2, K] in x's dtype
+        xp = xp.to(x.dtype)                                        # [2, K]
         one = F.linear(xp[:1].clone(), probe.weight, probe.bias)   # [1, N]
         if not torch.equal(one, F.linear(xp, probe.weight, probe.bias)[:1]):
             return False

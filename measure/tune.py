@@ -45,7 +45,7 @@ from measure.random_model import PRESETS, build_random_checkpoint, parse_model_s
 from model import Transformer
 from offload import OffloadConfig
 from policy import TierPlan, plan_tiers
-from pools import GROUP_CHUNKS, OffloadError
+from pools import OffloadError, group_run
 from quantize import weight_bytes
 from runs.flags import (
     DEMO_CKPT,
@@ -139,7 +139,7 @@ def plan(c, model_args, args, cuda):
     staging = c.staging_slots if c.staged else 0
     # CUDA with a host tier: two group buffers, each as long as a layer's run of offloaded chunks
     # can be (offload.TieredStore, prefetch.py)
-    run = min(GROUP_CHUNKS, tiers.per_layer - 1)
+    run = group_run(tiers.per_layer)
     groups = c.group_buffers * run if cuda and tiers.host > 1 and run > 1 else 0
     # the device: the windows' sealed chunks, each layer's open chunk, the staging slots
     c.kv = {"device": (tiers.device + L + staging + groups) * slot_b,

@@ -63,10 +63,15 @@ def window(stream, sp, gen, args):
     return torch.tensor(text + quotes), S + len(sep)
 
 
+def next_token_losses(model, ids):
+    """(logits [N-1, V], each position's next-token loss [N-1]) of ids [N]."""
+    logits = model(ids[None, :-1])[0]                                 # [N-1, V]
+    return logits, F.cross_entropy(logits, ids[1:], reduction="none")
+
+
 def loss_on(model, ids, quote_at):
     """Mean next-token loss over the text plus the mean over the passage."""
-    logits = model(ids[None, :-1])[0]                                 # [N-1, V]
-    losses = F.cross_entropy(logits, ids[1:], reduction="none")       # [N-1]
+    losses = next_token_losses(model, ids)[1]
     return losses[:quote_at - 1].mean() + losses[quote_at - 1:].mean()
 
 
@@ -80,8 +85,7 @@ def score(model, stream, sp, length, windows=3, seed=1):
     for _ in range(windows):
         ids, quote_at = window(stream, sp, gen, args)
         with torch.no_grad():
-            logits = model(ids[None, :-1])[0]                         # [N-1, V]
-        losses = F.cross_entropy(logits, ids[1:], reduction="none")   # [N-1]
+            logits, losses = next_token_losses(model, ids)            # [N-1, V], [N-1]
         text.append(losses[:quote_at - 1].mean().item())
         passages.append(losses[quote_at - 1:].mean().item())
         copied.append((logits[quote_at - 1:].argmax(-1) == ids[quote_at:]).float().mean().item())
