@@ -12,9 +12,11 @@ import math
 
 import torch
 
-# auto: K and V kept in the compute dtype; int8: quantized per token and kv head; int4: keys per
-# channel within a chunk, values per token
-KV_DTYPES = ("auto", "int8", "int4")
+# auto: K and V kept in the compute dtype; bf16, fp16: held in that half precision (under fp32
+# weights: half the bytes, as llama.cpp's default f16 KV); int8: quantized per token and kv head;
+# int4: keys per channel within a chunk, values per token
+KV_DTYPES = ("auto", "bf16", "fp16", "int8", "int4")
+HALF_KV = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PlainLayout:
@@ -44,6 +46,23 @@ class PlainLayout:
         """(k, v) [n, B, G, C, D] of n sealed chunks held as one tensor [n, 2, B, G, C, D]:
         views."""
         return chunks[:, 0], chunks[:, 1]
+
+
+class HalfLayout(PlainLayout):
+    """K and V held in a half precision (--kv-dtype bf16 or fp16) under wider weights: a chunk
+    [2, B, G, C, D] in bf16 or fp16, each value rounded to nearest as it is written (a cast: an
+    element's bits whatever the kernel). A sealed group is read as views of the half-precision
+    bytes, which attention widens to fp32 exactly on the way into its kernel
+    (attention.widened); the open chunk and a lone sealed chunk are read widened to the compute
+    dtype. Half the bytes of fp32 KV cross every link and are read every decode step."""
+
+    def __init__(self, dtype, compute_dtype):
+        super().__init__(dtype)
+        self.compute_dtype = compute_dtype    # what attention computes in
+
+    def read(self, chunk, upto):
+        """(k, v) [B, G, upto, D] in the compute dtype, exact."""
+        return tuple(x.to(self.compute_dtype) for x in super().read(chunk, upto))
 
 
 class Int8Layout:
@@ -255,6 +274,8 @@ def chunk_layout(kv_dtype, dtype):
         return Int8Layout(dtype)
     if kv_dtype == "int4":
         return Int4Layout(dtype)
+    if kv_dtype in HALF_KV and HALF_KV[kv_dtype] != dtype:
+        return HalfLayout(HALF_KV[kv_dtype], dtype)
     return PlainLayout(dtype)
 
 

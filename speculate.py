@@ -390,9 +390,19 @@ class Draft:
             cache.length = same
             del self.fed[same:]
         device = cache.store.device
-        # seq always ends past what was fed: at least the target's own token is new
-        ids = torch.tensor([seq[len(self.fed):]], device=device)  # [1, new]
-        logits = prefill(self.model, cache, ids)
+        # seq always ends past what was fed: at least the target's own token is new. The prompt
+        # (all but the target's first token) is prefilled as the target prefilled it and the
+        # first token decoded, as the target decoded it: a step of several tokens sums in another
+        # order, and its near ties could flip a draft that is the target itself. Later tokens
+        # (a verify step's last guess and the target's own token) come as one step: cheaper
+        new = seq[len(self.fed):]
+        if not self.fed and len(new) > 1:
+            prefill(self.model, cache, torch.tensor([new[:-1]], device=device))
+            new = new[-1:]
+        if len(new) == 1:
+            logits = decode_one_token(self.model, cache, torch.tensor([new], device=device))
+        else:
+            logits = prefill(self.model, cache, torch.tensor([new], device=device))  # [1, V]
         self.fed = list(seq)
         guesses = [int(logits.argmax())]
         while len(guesses) < n:

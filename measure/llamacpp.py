@@ -32,6 +32,9 @@ from runs.flags import UsageError
 # minimum, as --quantize int4's default groups with a scale and a zero)
 THEIR_TYPE = {("fp32", "none"): "F32", ("bf16", "none"): "BF16", ("fp16", "none"): "F16",
               "int8": "Q8_0", "int4": "Q4_1"}
+# our --kv-dtype -> llama-bench's -ctk / -ctv, where it holds the same precision (its default is
+# f16: no f32 KV, so fp32 KV, auto under fp32 weights, meets f16)
+THEIR_KV = {"bf16": "bf16", "fp16": "f16"}
 # a GGUF converted from the checkpoint holds its tensors, perhaps less a few small buffers
 PARAMS_TOLERANCE = 0.005
 
@@ -67,8 +70,9 @@ def check_flags(args):
 
 def llama_bench(args, *test):
     """The one test entry of a llama-bench run (-o json) of --gguf with `test` flags."""
+    kv = THEIR_KV.get(args.kv_dtype)
     cmd = [args.vs_llamacpp, "-m", args.gguf, "-t", str(args.threads), "-r", "1", "-o", "json",
-           *map(str, test)]
+           *(["-ctk", kv, "-ctv", kv] if kv else []), *map(str, test)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -193,9 +197,10 @@ def compare(args, contexts, modes, run_fresh, machine, config):
     build = {k: entry.get(k) for k in ("build_commit", "build_number", "backends", "cpu_info",
                                        "model_type", "type_k", "type_v", "flash_attn",
                                        "n_batch", "n_ubatch")}
-    print(f"{args.ckpt} {config['model']}, ours {args.dtype} (--quantize {args.quantize}, chunk "
-          f"{args.chunk_size}) / llama.cpp {build['model_type']} (build {build['build_commit']}, "
-          f"KV {build['type_k']}), {args.threads} threads each, {args.new_tokens - 1} decode "
+    print(f"{args.ckpt} {config['model']}, ours {args.dtype} (--quantize {args.quantize}, "
+          f"--kv-dtype {args.kv_dtype}, chunk {args.chunk_size}) / llama.cpp "
+          f"{build['model_type']} (build {build['build_commit']}, KV {build['type_k']}), "
+          f"{args.threads} threads each, {args.new_tokens - 1} decode "
           f"steps after the prompt, fresh processes, median of {args.repeats}; {machine['date']}, "
           f"{machine['cpu_count']} CPUs, load {machine['loadavg']} -> {machine['loadavg_end']}\n\n"
           f"{markdown(rows, args)}")

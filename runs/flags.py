@@ -93,7 +93,9 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    help="with --quantize int4: input features per scale and zero (default "
                    f"{INT4_DEFAULT_GROUP_SIZE}; it must divide every layer's input features)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="how the KV cache is held: auto = as --dtype; int8 = quantized per token "
+                   help="how the KV cache is held: auto = as --dtype; bf16, fp16 = in that half "
+                   "precision under fp32 weights (half the bytes, as llama.cpp's default f16 KV; "
+                   "fp16 clips past 65504); int8 = quantized per token "
                    "and kv head, about half of bf16's bytes in every tier and link; int4 = keys "
                    "per channel within a chunk, values per token, about a quarter (lossy; offload "
                    "stays bit-identical to --offload none with the same --kv-dtype)")

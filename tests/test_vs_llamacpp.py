@@ -76,6 +76,7 @@ def test_the_table_from_a_fake_llama_bench(tmp_path, capsys):
     assert tests == [("64", "0", None), ("0", "3", "64"), ("48", "0", None), ("0", "3", "48")] * 2
     for c in calls:
         assert c[c.index("-t") + 1] == "1" and c[c.index("-o") + 1] == "json", c
+        assert "-ctk" not in c
     r = json.loads(out.read_text())
     assert r["llamacpp"]["model_type"] == "llama ?B all F32"
     assert [(row["context"], row["mode"], row["runs"]) for row in r["results"]] == [
@@ -92,6 +93,22 @@ def test_the_table_from_a_fake_llama_bench(tmp_path, capsys):
         line = next(x for x in lines if x.startswith(f"| {row['context']} | none | fp32 / F32 |"))
         assert f"| {PREFILL:,.1f} ({PREFILL:,.1f}-{PREFILL:,.1f}) |" in line
         assert line.endswith(f"| {row['ours_over_llamacpp_decode']:.2f} |")
+
+
+def test_their_kv_holds_the_precision_of_ours(tmp_path, capsys):
+    """--kv-dtype bf16 is compared with llama.cpp's bf16 KV (-ctk, -ctv on every call); without
+    it llama-bench runs its default (f16), as the calls of the test above carry no -ctk."""
+    binary, log = fake_llama_bench(tmp_path)
+    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
+                     "--ckpt", str(tmp_path / "model"), "--contexts", "32", "--modes", "none",
+                     "--chunk-size", "16", "--new-tokens", "2", "--repeats", "1",
+                     "--kv-dtype", "bf16", "--offload-dir", str(tmp_path / "kv"),
+                     "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path)])
+    assert rc == 0, capsys.readouterr().err
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(calls) == 3
+    for c in calls:
+        assert c[c.index("-ctk") + 1] == c[c.index("-ctv") + 1] == "bf16", c
 
 
 @pytest.mark.parametrize("case", ["no gguf", "missing gguf", "not executable", "fails",
