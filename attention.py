@@ -73,15 +73,13 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     log-sum-exp of its scores.
     """
     if visible is None and fused:  # the common case first: a chunk visit is the hot loop
-        if widens(q, k):
-            q, k, v = q.float(), widened(k, 0), widened(v, 1)      # exact, as attend_chunks
+        q, k, v = common_dtype(q, k, v)                            # as attend_chunks
         if q.is_cpu and FLASH_CPU is not None:
             o, lse = flash_cpu(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
             return (o if o.dtype == torch.float32 else o.float()), lse
         if q.is_cuda and use_fused_cuda(q):
             return fused_cuda(q, k, v)
-    if k.dtype != q.dtype:  # K and V held in half precision (--kv-dtype bf16): exact widening
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = common_dtype(q, k, v)
     B, G, RT, D = q.shape
     L = k.shape[2]
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that
@@ -113,8 +111,7 @@ def attend_chunks(q, k, v):
     (a decode step's few query rows read a chunk in about the time that cost takes)."""
     n, B, G, C, D = k.shape
     RT = q.shape[2]
-    if widens(q, k):
-        q, k, v = q.float(), widened(k, 0), widened(v, 1)          # exact: fp32 holds every value
+    q, k, v = common_dtype(q, k, v)    # K and V held in half precision under wider weights
     qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]
     kn = k.flatten(0, 1)                                           # [n*B, G, C, D]
     vn = v.flatten(0, 1)
@@ -128,33 +125,32 @@ def attend_chunks(q, k, v):
     return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
 
 
-def widens(q, k):
-    """Whether a group's half-precision K and V are widened to fp32 before the kernel: on CPU for
-    the few query rows of a decode or verify step (up to WIDEN_ROWS), and whenever K and V are held
-    in another dtype than q (--kv-dtype bf16 under fp32 weights). torch's CPU flash kernel reads
-    bf16 at 9-12 GB/s, slower than it reads fp32 at twice the bytes; a copy into fp32 streams at
-    ~35 GB/s and the fp32 kernel then reads the copy from the cache (30 layers at 6K, groups of 12
-    chunks: 16.3 ms in bf16 against 12.1 widened, docs/performance.md). A prefill chunk's many
-    rows stay in bf16, whose products run twice fp32's. A function of shapes and dtypes only."""
+def common_dtype(q, k, v):
+    """q, k, v in one dtype for the kernel: K and V held in another precision than q (--kv-dtype
+    bf16 or fp16 under fp32 weights) widened exactly into a reused scratch, and q with them where
+    neither holds the other (fp16 K and V under bf16 weights: all three fp32). A bf16 model's own
+    K and V stay bf16: torch's CPU flash kernel reads bf16 at 9-12 GB/s, slower than fp32 at twice
+    the bytes, and widened first a decode step's groups ran faster alone (30 layers at 6K: 16.3 ms
+    against 12.1) but whole runs slower (25.4-25.7 tok/s against 26.8-27.8 at 6,258 tokens: the
+    scratch's writes miss the cache once a layer's weights have streamed through it;
+    docs/performance.md). A function of dtypes only, so placement-free."""
     if k.dtype == q.dtype:
-        return q.is_cpu and k.dtype in HALF and q.shape[-2] <= WIDEN_ROWS
-    return k.dtype in HALF
+        return q, k, v
+    wide = torch.promote_types(q.dtype, k.dtype)
+    return q.to(wide), widened(k, 0, wide), widened(v, 1, wide)
+_WIDE = {}  # (K or V, its shape without the group's length, dtype, device) -> scratch
 
 
-HALF = (torch.bfloat16, torch.float16)
-WIDEN_ROWS = 64
-_WIDE = {}  # (which of K or V, its shape without the group's length, device) -> fp32 scratch
-
-
-def widened(x, which):
-    """x [n, ...] in half precision copied into a reused fp32 scratch: exact (fp32 holds every bf16
-    and fp16 value), and contiguous whatever x's strides, so every tier's runs reach the kernel in
-    one layout. The scratch is this process's, reused by every layer and step (one group's K and V
-    at a time: a call reads its inputs before the next group overwrites them)."""
-    key = (which, tuple(x.shape[1:]), x.device)
+def widened(x, which, dtype=torch.float32):
+    """x [n, ...] in half precision copied into a reused scratch of a wider dtype: exact (fp32
+    holds every bf16 and fp16 value), and contiguous whatever x's strides, so every tier's runs
+    reach the kernel in one layout, without a fresh allocation a step. The scratch is this
+    process's, reused by every layer and step (one group's K and V at a time: a call reads its
+    inputs before the next group overwrites them)."""
+    key = (which, tuple(x.shape[1:]), dtype, x.device)
     buf = _WIDE.get(key)
     if buf is None or buf.shape[0] < x.shape[0]:
-        buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        buf = torch.empty(x.shape, dtype=dtype, device=x.device)
         _WIDE[key] = buf
     return buf[:x.shape[0]].copy_(x)
 

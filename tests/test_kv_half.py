@@ -57,19 +57,24 @@ def test_a_half_chunk_is_half_of_fp32s_bytes():
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_attention_widens_half_precision_exactly(half):
-    """A group's half-precision K and V reach the kernel widened to fp32 without a rounding: the
-    partials are the fp32 kernel's on fp32 copies made by .float() (bits), for a q of the same half
-    precision (a bf16 model's decode step) and for fp32 q (--kv-dtype under fp32 weights), for
-    groups of several lengths through the one reused scratch, and for the masked edge chunk."""
+    """A group's half-precision K and V under fp32 queries (--kv-dtype under fp32 weights) reach
+    the kernel widened to fp32 without a rounding: the partials are the fp32 kernel's on fp32
+    copies made by .float() (bits), for groups of several lengths through the one reused scratch,
+    and for the masked edge chunk; fp16 K and V under bf16 queries, neither holding the other, are
+    computed in fp32 all three."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 3, 16, generator=g) / 4                  # [B, G, R*T, D]
+    other = torch.float16 if half == torch.bfloat16 else torch.bfloat16
     for n in (3, 1, 2):                                           # the scratch grows, then is cut
         k = torch.randn(n, 1, 2, 8, 16, generator=g).to(half)       # [n, B, G, C, D]
         v = torch.randn(n, 1, 2, 8, 16, generator=g).to(half)
-        for q_in in (q.to(half), q):
+        for q_in in (q, q.to(other)):
             o, lse = attend_chunks(q_in, k, v)
             o_ref, lse_ref = attend_chunks(q_in.float(), k.float(), v.float())
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+        # a bf16 model's own K and V: its own kernel, not widened
+        o, _ = attend_chunks(q.to(half), k, v)
+        assert not torch.equal(o, attend_chunks(q.to(half).float(), k.float(), v.float())[0])
     assert torch.equal(widened(k, 0), k.float())
     visible = torch.rand(3, 8, generator=g) > 0.3                  # [R*T, L]
     o, lse = attend_chunk(q, k[0], v[0], visible)

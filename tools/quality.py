@@ -59,6 +59,8 @@ VARIANTS = {
     "int8": (torch.bfloat16, "int8", None),
     "int8-blocks": (torch.bfloat16, "int8", None),
     "int8-fp32-act": (torch.float32, "int8", None),
+    "bf16-kv": (torch.float32, None, "bf16"),
+    "fp16-kv": (torch.float32, None, "fp16"),
     "int8-kv": (torch.float32, None, "int8"),
     "int8+int8-kv": (torch.bfloat16, "int8", "int8"),
     "int4": (torch.bfloat16, "int4-g32", None),
