@@ -44,7 +44,8 @@ def prompt(n, vocab, seed=0):
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=None, **cfg):
+def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=None,
+        kv_dtype="auto", **cfg):
     """run_task with the model on CPU: only offload.on_cuda is patched, so task.py makes no CUDA
     stream of its own and skips its per-step stream synchronize (a timing aid), which would order
     every copy before the next step and hide the hazards that span steps (rule 5; copies left for
@@ -55,7 +56,7 @@ def run(model, ids, new, task_id="0", fingerprint=None, on_token=None, kv_store=
         steps.append((cache.length, logits.clone()))
     out, stats = run_task(model, ids, new, chunk_size=C, cfg=OffloadConfig(**cfg), task_id=task_id,
                           fingerprint=fingerprint, on_token=on_token, kv_store=kv_store,
-                          on_step=on_step)
+                          on_step=on_step, kv_dtype=kv_dtype)
     return out, steps, stats
 
 
@@ -161,6 +162,20 @@ def test_cuda_path_bit_identical_and_race_free(llama, base, tmp_path, mode, comp
     assert_good(emu, base, other, label)
     tier = "host" if mode == "cpu" else "disk"
     assert other[2]["chunks"][tier] > 0, (label, other[2])
+
+
+@pytest.mark.parametrize("mode,compress", [("cpu", "none"), ("disk", "zstd")])
+def test_half_precision_kv_on_the_cuda_path(llama, tmp_path, mode, compress):
+    """--kv-dtype bf16 under fp32 weights: the half-precision chunks cross the copy streams and
+    are widened into the attention scratch on the compute stream, bit-identical to --offload none
+    with the same --kv-dtype and race-free."""
+    ids = prompt(P, llama.args.vocab_size)
+    reference = run(llama, ids, NEW, kv_dtype="bf16")
+    with cuda_emu.emulate(strict_waits=True) as emu:
+        other = run(llama, ids, NEW, kv_dtype="bf16", mode=mode, compress=compress, window=1,
+                    offload_dir=str(tmp_path))
+    assert_good(emu, reference, other, f"bf16 KV {mode}+{compress}")
+    assert other[2]["kv_dtype"] == "bf16"
 
 
 @pytest.mark.parametrize("window", [0, 2])
