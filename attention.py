@@ -23,6 +23,7 @@ import torch
 FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
 QUERY_ROWS = 4   # a sealed chunk's visit has at least this many query rows (attend_few)
+_WIDE = {}       # (K or V, its shape but the group's length, dtype, device) -> scratch (widened)
 
 
 def flash_cpu(q, k, v, **kw):
@@ -72,14 +73,13 @@ def attend_chunk(q, k, v, visible=None, fused=True):
     future keys. Returns (o [B, G, R*T, D], lse [B, G, R*T]), both fp32: the chunk's output and
     log-sum-exp of its scores.
     """
+    q, k, v = common_dtype(q, k, v)  # K and V held in half precision under wider weights
     if visible is None and fused:  # the common case first: a chunk visit is the hot loop
-        q, k, v = common_dtype(q, k, v)                            # as attend_chunks
         if q.is_cpu and FLASH_CPU is not None:
             o, lse = flash_cpu(q, k, v, scale=1.0)                # [B, G, R*T, D], [B, G, R*T]
             return (o if o.dtype == torch.float32 else o.float()), lse
         if q.is_cuda and use_fused_cuda(q):
             return fused_cuda(q, k, v)
-    q, k, v = common_dtype(q, k, v)
     B, G, RT, D = q.shape
     L = k.shape[2]
     # bmm over B*G flattened views: the 4-D matmul with a transposed operand takes a path that
@@ -138,7 +138,6 @@ def common_dtype(q, k, v):
         return q, k, v
     wide = torch.promote_types(q.dtype, k.dtype)
     return q.to(wide), widened(k, 0, wide), widened(v, 1, wide)
-_WIDE = {}  # (K or V, its shape without the group's length, dtype, device) -> scratch
 
 
 def widened(x, which, dtype=torch.float32):
