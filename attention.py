@@ -170,12 +170,15 @@ def attend_few(q, k, v):
 
 
 def padded_rows(RT, dtype):
-    """The query rows a chunk visit of RT rows runs with: QUERY_ROWS where it has fewer, in half
-    precision. Measured in a decode step (30 layers, 6,144 tokens, 2 threads, steps alternating
-    in one process, docs/speculation.md): bf16 3 rows padded to 4 make the step 9% faster; fp32 3
-    rows padded are 1-4% slower and 1-2 rows far slower (a fused-kernel microbenchmark: 32% and
-    65%), so fp32 stays unpadded. A function of shapes and dtype only, so placement-free."""
-    if RT >= QUERY_ROWS or dtype == torch.float32:
+    """The query rows a chunk visit of RT rows runs with: QUERY_ROWS where it has fewer, except
+    1-2 rows in fp32. Measured in a decode step (30 layers, 6,144 tokens, 2 threads, steps
+    alternating in one process, docs/speculation.md): bf16 3 rows padded to 4 make the step 9%
+    faster; fp32 3 rows padded were 1-4% slower in one session and 0% (2K) and 3% faster (6K) in
+    the next (docs/performance.md, round nine), and padded they share a verify step's call (the
+    kernel's rows are their own bits from 4 rows up), so they are padded; fp32 1-2 rows padded are
+    far slower (a fused-kernel microbenchmark: 32% and 65%) and stay as they are. A function of
+    shapes and dtype only, so placement-free."""
+    if RT >= QUERY_ROWS or (dtype == torch.float32 and RT < QUERY_ROWS - 1):
         return RT
     return QUERY_ROWS
 

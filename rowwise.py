@@ -380,24 +380,26 @@ def _linear_agrees(layer, x):
     return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))])
 
 
-def shared_rows(fn, q, k, v, rows):
-    """Whether fn(q, k, v) (attention.attend_chunks) for q [B, G, N*rows, D], N blocks of `rows`
-    query rows (a verify step's positions, each padded as its own step pads it), over chunks k, v
-    [n, B, G, C, D], gives every block the bits of its own call over one chunk at a time; decided
-    once per shapes, layouts, dtype, device and thread count, on probes: scores that cancel
-    exactly (query features in equal pairs, key features in opposite pairs, so a score is only the
-    rounding its order of sums leaves), then inputs of magnitudes 2^-8 to 2^8."""
-    key = ("rows of attention", rows, torch.get_num_threads(),
+def shared_rows(fn, q, k, v, rows, blocks=None, lone=None):
+    """Whether fn(q, k, v) (attention.attend_chunks) for q [B, G, N*rows (+ padding), D], N blocks
+    of `rows` query rows (a verify step's positions) and perhaps zero rows after them, over chunks
+    k, v [n, B, G, C, D], gives every block the bits of its own call, lone(q_block, chunk)
+    (default fn), over one chunk at a time; decided once per shapes, layouts, dtype, device,
+    thread count and lone call, on probes: scores that cancel exactly (query features in equal
+    pairs, key features in opposite pairs, so a score is only the rounding its order of sums
+    leaves), then inputs of magnitudes 2^-8 to 2^8. blocks: N (default: as many as q holds)."""
+    N = blocks or q.shape[2] // rows
+    lone = lone or fn
+    key = ("rows of attention", rows, N, getattr(lone, "__qualname__", repr(lone)),
+           torch.get_num_threads(),
            *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 64) for t in (q, k, v)])
-    what = (f"attention {tuple(k.shape[1:])} {str(q.dtype).removeprefix('torch.')}",
-            (q.shape[2] // rows, 1))
-    return _decide(key, lambda: _rows_attend_alone(fn, q, k, v, rows), what)
+    what = (f"attention {tuple(k.shape[1:])} {str(q.dtype).removeprefix('torch.')}", (N, 1))
+    return _decide(key, lambda: _rows_attend_alone(fn, q, k, v, rows, N, lone), what)
 
 
-def _rows_attend_alone(fn, q, k, v, rows):
+def _rows_attend_alone(fn, q, k, v, rows, N, lone):
     g = torch.Generator().manual_seed(0)
     D = q.shape[-1]
-    N = q.shape[2] // rows
     for trial in range(4):
         if trial % 2 == 0:
             pairs = torch.randperm(D - D % 2, generator=g).view(2, -1)      # [2, D/2]
@@ -410,13 +412,14 @@ def _rows_attend_alone(fn, q, k, v, rows):
         else:
             qp = _magnitudes(q.shape, g, -8, 8) / 2 ** 8
             kp = _magnitudes(k.shape, g, -8, 8) / 2 ** 8
+        qp[..., N * rows:, :] = 0               # the call's padding rows, as the caller's
         qp, kp = _like(q, qp), _like(k, kp)
         vp = _like(v, _magnitudes(v.shape, g, -8, 8))
-        o, lse = fn(qp, kp, vp)                  # [n, B, G, N*rows, D], [n, B, G, N*rows]
+        o, lse = fn(qp, kp, vp)                  # [n, B, G, N*rows (+ pad), D], [n, B, G, ...]
         for i in range(N):
             q_i = qp[:, :, i * rows:(i + 1) * rows].clone()
             for j in range(k.shape[0]):
-                o_j, lse_j = fn(q_i, kp[j:j + 1].clone(), vp[j:j + 1].clone())
+                o_j, lse_j = lone(q_i, kp[j:j + 1].clone(), vp[j:j + 1].clone())
                 block = slice(i * rows, (i + 1) * rows)
                 if not (torch.equal(o_j[0], o[j, :, :, block])
                         and torch.equal(lse_j[0], lse[j, :, :, block])):

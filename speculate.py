@@ -123,20 +123,24 @@ def attend_rows(cache, layer, q, k, v):
 
 def attend_together(cache, layer, rows, visits):
     """Full attention: every row sees every chunk. The chunks in the groups a one-token step reads
-    them (KVCache.attend_sealed), each group one call for all rows (every row padded as its own
-    step pads it: attention.attend_few) where rowwise.shared_rows vouches for it, else a call per
-    row."""
+    them (KVCache.attend_sealed), each group one call for all rows, where rowwise.shared_rows
+    vouches that every position's R rows get the bits of its own step's call (attention.attend_few,
+    which pads them), else a call per row. The positions' rows go unpadded, side by side (padded
+    once at the end where they are fewer than a call's least, attention.padded_rows): a verify
+    step's attention is bound by the kernel's arithmetic, and a position's padding row is a row of
+    it (a quarter of the rows at R = 3)."""
     _, G, R, D = rows[0].q.shape
-    P = padded_rows(R, rows[0].q.dtype)
-    q_all = torch.cat([pad_rows(row.q, P) for row in rows], dim=2)  # [1, G, N*P, D]
+    N = len(rows)
+    q_all = torch.cat([row.q for row in rows], dim=2)               # [1, G, N*R, D]
+    q_all = pad_rows(q_all, padded_rows(N * R, q_all.dtype))
     size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (rows[0].q.numel() * 4)))
     for js in chunk_groups(visits, size):
         for run in cache.store.load_group(layer, js):
             k_n, v_n = cache.layout.read_group(run)  # [n, 1, G, C, D] each
-            if len(rows) > 1 and shared_rows(attend_chunks, q_all, k_n, v_n, P):
-                o, lse = attend_chunks(q_all, k_n, v_n)  # [n, 1, G, N*P, D], [n, 1, G, N*P]
+            if N > 1 and shared_rows(attend_chunks, q_all, k_n, v_n, R, N, attend_few):
+                o, lse = attend_chunks(q_all, k_n, v_n)  # [n, 1, G, N*R (+ pad), D], [.., N*R]
                 for i, row in enumerate(rows):
-                    block = slice(i * P, i * P + R)
+                    block = slice(i * R, (i + 1) * R)
                     row.parts.add(o[:, :, :, block].contiguous(), lse[:, :, :, block].contiguous())
             else:
                 for row in rows:
