@@ -48,18 +48,24 @@ def load_demo(path):
     return model
 
 
-def window(stream, sp, gen, args):
+def window(stream, sp, gen, args, synthetic=False):
     """(ids [S + ...], where the passages start): S tokens of text, then --quotes passages of that
-    text, each after a newline and re-encoded from its text."""
+    text, each after a newline and re-encoded from its text. synthetic: the S tokens are drawn
+    uniformly from the vocabulary and the passages are their exact spans, so only copying
+    predicts them (the task that grows induction heads fastest, Olsson et al.)."""
     S = args.lengths[int(torch.randint(len(args.lengths), (1,), generator=gen))]
-    start = int(torch.randint(0, len(stream) - S - 1, (1,), generator=gen))
-    text = stream[start:start + S].tolist()
+    if synthetic:
+        text = torch.randint(3, sp.get_piece_size(), (S,), generator=gen).tolist()
+    else:
+        start = int(torch.randint(0, len(stream) - S - 1, (1,), generator=gen))
+        text = stream[start:start + S].tolist()
     sep = [sp.piece_to_id("<0x0A>")]  # a newline (byte fallback's piece)
     quotes = []
     for _ in range(args.quotes):
         Q = int(torch.randint(args.quote_min, args.quote_max + 1, (1,), generator=gen))
         at = int(torch.randint(0, S - Q, (1,), generator=gen))
-        quotes += sep + sp.encode(sp.decode(text[at:at + Q]))[:Q]
+        span = text[at:at + Q]
+        quotes += sep + (span if synthetic else sp.encode(sp.decode(span))[:Q])
     return torch.tensor(text + quotes), S + len(sep)
 
 
@@ -69,9 +75,12 @@ def next_token_losses(model, ids):
     return logits, F.cross_entropy(logits, ids[1:], reduction="none")
 
 
-def loss_on(model, ids, quote_at):
-    """Mean next-token loss over the text plus the mean over the passage."""
+def loss_on(model, ids, quote_at, synthetic=False):
+    """Mean next-token loss over the text plus the mean over the passage (the passage's alone for
+    a synthetic window: its random text has nothing to learn)."""
     losses = next_token_losses(model, ids)[1]
+    if synthetic:
+        return losses[quote_at - 1:].mean()
     return losses[:quote_at - 1].mean() + losses[quote_at - 1:].mean()
 
 
@@ -105,6 +114,9 @@ def main():
     p.add_argument("--quote-min", type=int, default=64)
     p.add_argument("--quote-max", type=int, default=256)
     p.add_argument("--quotes", type=int, default=4, help="passages quoted after each window")
+    p.add_argument("--synthetic", type=float, default=0.0,
+                   help="the share of windows of random tokens whose passages only copying "
+                   "predicts (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=40.0, help="safety cap: stops early")
     args = p.parse_args()
@@ -136,8 +148,9 @@ def main():
             break
         for group in opt.param_groups:  # linear warmup over 20 steps, then linear decay
             group["lr"] = args.lr * min(1.0, (step + 1) / 20, 1.1 - step / args.steps)
-        ids, quote_at = window(stream, sp, gen, args)
-        loss = loss_on(model, ids, quote_at)
+        synthetic = float(torch.rand(1, generator=gen)) < args.synthetic
+        ids, quote_at = window(stream, sp, gen, args, synthetic)
+        loss = loss_on(model, ids, quote_at, synthetic)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
