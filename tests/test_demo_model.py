@@ -124,6 +124,19 @@ def test_the_quote_tune_starts_from_the_demo_and_quotes_its_own_window(ours, tok
     assert ids[at - 1] == sp.piece_to_id("<0x0A>")  # a newline before each passage
     passages = [p.strip() for p in sp.decode(ids[at:].tolist()).split("\n")]
     assert len(passages) == 3 and all(p and p in text for p in passages), passages
+    # --synthetic: random tokens, and passages that are their exact spans
+    ids, at = window(stream, sp, torch.Generator().manual_seed(1), args, synthetic=True)
+    text, newline = ids[:at - 1].tolist(), sp.piece_to_id("<0x0A>")
+    assert len(text) == 300 and min(text) >= 3 and max(text) < sp.get_piece_size()
+    assert not torch.equal(ids[:at - 1], stream[:300])
+    rest, spans = ids[at - 1:].tolist(), []
+    for t in rest:
+        if t == newline:
+            spans.append([])
+        else:
+            spans[-1].append(t)
+    assert len(spans) == 3 and all(8 <= len(q) <= 20 for q in spans)
+    assert all(any(text[i:i + len(q)] == q for i in range(300)) for q in spans)
 
 
 def test_the_quote_score_of_a_model_that_knows_nothing(tok):
