@@ -4,8 +4,12 @@ cache, a cache filled by measure.probe.filled_cache (--offload none, chunk 512),
 then the median and the fastest of 8 (issue 33: before and after, interleaved).
 
     python tools/decode_steps.py TREE fp32|bf16 1024,2048,6144 THREADS [int8|int4]
+
+The checkpoint is $CKPT (a Hugging Face directory: `python -m measure.random_model smollm2-135m
+DIR --dtype fp32` makes the one docs/performance.md measures).
 """
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,7 +24,9 @@ from measure.probe import filled_cache  # noqa: E402
 from model import Transformer  # noqa: E402
 
 torch.set_num_threads(threads)
-CKPT = "/work/llamacpp/ckpt-fp32"  # the SmolLM2-135M-shaped random checkpoint of the sweep
+CKPT = os.environ.get("CKPT")
+if not CKPT:
+    sys.exit("tools/decode_steps.py: set CKPT to a checkpoint directory (see the docstring)")
 model = Transformer.from_pretrained(CKPT, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[
     dtype], quantize=quantize)
 out = {}
