@@ -15,6 +15,8 @@ attention needs no copy of K or V.
 """
 import torch
 
+from fewrows import call_few, few_rows_kernel
+
 # Fused kernels that return the log-sum-exp an exact merge needs: one call per chunk instead of a
 # handful. On CPU the flash kernel (torch >= 2.3); on CUDA flash (fp16/bf16) or memory-efficient
 # attention (fp32), checked once per (device, dtype) against the matmul path below, which stays the
@@ -111,6 +113,15 @@ def attend_chunks(q, k, v):
     (a decode step's few query rows read a chunk in about the time that cost takes)."""
     n, B, G, C, D = k.shape
     RT = q.shape[2]
+    few = few_rows_kernel(q, k)
+    if few is not None:  # K and V read as they are held, whatever their dtype
+        # the kernel is compiled for the strides it sees: a chunk's rows made unit-stride and
+        # dense (every tier's are), so every layout runs the same loops
+        k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (k, v))
+        # [B*G, R*T, D] against [n, B*G, C, D]: flattening B and G is a view of every layout
+        o, lse = call_few(few, q.reshape(B * G, RT, D).contiguous(), k.flatten(1, 2),
+                          v.flatten(1, 2))
+        return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
     q, k, v = common_dtype(q, k, v)    # K and V held in half precision under wider weights
     qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]
     kn = k.flatten(0, 1)                                           # [n*B, G, C, D]
@@ -163,22 +174,26 @@ def attend_few(q, k, v):
     kernel takes one path for 1-3 rows and another, the same for every row, from 4 (measured,
     docs/speculation.md)."""
     RT = q.shape[2]
-    o, lse = attend_chunks(pad_rows(q, padded_rows(RT, q.dtype)), k, v)  # [n, B, G, rows, ...]
+    o, lse = attend_chunks(pad_rows(q, padded_rows(q, k)), k, v)  # [n, B, G, rows, ...]
     # contiguous whatever the kernel's layout (its lse may come transposed): the merges after
     # see the same strides in every call
     return o[..., :RT, :].contiguous(), lse[..., :RT].contiguous()
 
 
-def padded_rows(RT, dtype):
-    """The query rows a chunk visit of RT rows runs with: QUERY_ROWS where it has fewer, except
-    1-2 rows in fp32. Measured in a decode step (30 layers, 6,144 tokens, 2 threads, steps
-    alternating in one process, docs/speculation.md): bf16 3 rows padded to 4 make the step 9%
-    faster; fp32 3 rows padded were 1-4% slower in one session and 0% (2K) and 3% faster (6K) in
-    the next (docs/performance.md, round nine), and padded they share a verify step's call (the
-    kernel's rows are their own bits from 4 rows up), so they are padded; fp32 1-2 rows padded are
-    far slower (a fused-kernel microbenchmark: 32% and 65%) and stay as they are. A function of
-    shapes and dtype only, so placement-free."""
-    if RT >= QUERY_ROWS or (dtype == torch.float32 and RT < QUERY_ROWS - 1):
+def padded_rows(q, k):
+    """The query rows a chunk visit of q [B, G, RT, D] over K of k's dtype runs with: RT where the
+    compiled kernel takes it (its rows are their own bits, and its cost grows with rows); else
+    QUERY_ROWS where it has fewer, except 1-2 rows in fp32. Measured in a decode step (30 layers,
+    6,144 tokens, 2 threads, steps alternating in one process, docs/speculation.md): bf16 3 rows
+    padded to 4 make the step 9% faster; fp32 3 rows padded were 1-4% slower in one session and
+    0% (2K) and 3% faster (6K) in the next (docs/performance.md, round nine), and padded they
+    share a verify step's call (the fused kernel's rows are their own bits from 4 rows up), so
+    they are padded; fp32 1-2 rows padded are far slower (a fused-kernel microbenchmark: 32% and
+    65%) and stay as they are. A function of shapes and dtypes only, so placement-free."""
+    RT = q.shape[2]
+    if few_rows_kernel(q, k) is not None:
+        return RT
+    if RT >= QUERY_ROWS or (q.dtype == torch.float32 and RT < QUERY_ROWS - 1):
         return RT
     return QUERY_ROWS
 

@@ -49,6 +49,7 @@ from attention import (
     first_visible_chunk,
     visible_keys,
 )
+from fewrows import prepare
 from kvlayout import chunk_layout
 from offload import TieredStore
 from policy import Exact, make_selection
@@ -315,4 +316,7 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     if selection is None:
         selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
                                    model_args.n_layers, cfg.select_dense)
+    if emb.is_cpu:  # a decode step's attention kernel built now, before any step is timed
+        R = model_args.n_heads // model_args.n_kv_heads
+        prepare(emb.dtype, layout.attend_dtype, G, R, chunk_size, model_args.head_dim)
     return KVCache(store, layout, model_args.layer_windows, selection)

@@ -26,6 +26,11 @@ class PlainLayout:
     def __init__(self, dtype):
         self.dtype = dtype
 
+    @property
+    def attend_dtype(self):
+        """The dtype a sealed group's K and V reach attention in (read_group)."""
+        return self.dtype
+
     def shape(self, B, G, C, D):
         return (2, B, G, C, D)
 
@@ -82,6 +87,7 @@ class Int8Layout:
     def __init__(self, compute_dtype):
         self.dtype = torch.uint8              # what the store holds
         self.compute_dtype = compute_dtype    # what attention gets
+        self.attend_dtype = compute_dtype     # what a sealed group reaches attention in
 
     def shape(self, B, G, C, D):
         return (2, B, G, C, D + self.S)
@@ -153,6 +159,7 @@ class Int4Layout:
     def __init__(self, compute_dtype):
         self.dtype = torch.uint8              # what the store holds
         self.compute_dtype = compute_dtype    # what attention gets
+        self.attend_dtype = compute_dtype     # what a sealed group reaches attention in
         self.open_keys = {}                   # an open chunk's data_ptr -> its keys [B, G, C, D]
 
     def shape(self, B, G, C, D):

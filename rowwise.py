@@ -60,6 +60,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fewrows
+
 SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
 SPLIT_BLOCKS = 16
 SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
@@ -391,7 +393,7 @@ def shared_rows(fn, q, k, v, rows, blocks=None, lone=None):
     N = blocks or q.shape[2] // rows
     lone = lone or fn
     key = ("rows of attention", rows, N, getattr(lone, "__qualname__", repr(lone)),
-           torch.get_num_threads(),
+           torch.get_num_threads(), fewrows.KERNEL,
            *[(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 64) for t in (q, k, v)])
     what = (f"attention {tuple(k.shape[1:])} {str(q.dtype).removeprefix('torch.')}", (N, 1))
     return _decide(key, lambda: _rows_attend_alone(fn, q, k, v, rows, N, lone), what)

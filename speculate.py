@@ -132,13 +132,13 @@ def attend_together(cache, layer, rows, visits):
     _, G, R, D = rows[0].q.shape
     N = len(rows)
     q_all = torch.cat([row.q for row in rows], dim=2)               # [1, G, N*R, D]
-    q_all = pad_rows(q_all, padded_rows(N * R, q_all.dtype))
     size = max(1, min(GROUP_CHUNKS, MERGE_GROUP_BYTES // (rows[0].q.numel() * 4)))
     for js in chunk_groups(visits, size):
         for run in cache.store.load_group(layer, js):
             k_n, v_n = cache.layout.read_group(run)  # [n, 1, G, C, D] each
-            if N > 1 and shared_rows(attend_chunks, q_all, k_n, v_n, R, N, attend_few):
-                o, lse = attend_chunks(q_all, k_n, v_n)  # [n, 1, G, N*R (+ pad), D], [.., N*R]
+            q_in = pad_rows(q_all, padded_rows(q_all, k_n))  # [1, G, N*R (+ pad), D]
+            if N > 1 and shared_rows(attend_chunks, q_in, k_n, v_n, R, N, attend_few):
+                o, lse = attend_chunks(q_in, k_n, v_n)  # [n, 1, G, N*R (+ pad), D], [.., N*R]
                 for i, row in enumerate(rows):
                     block = slice(i * R, (i + 1) * R)
                     row.parts.add(o[:, :, :, block].contiguous(), lse[:, :, :, block].contiguous())

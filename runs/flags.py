@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+import fewrows
 from checkpoint import read_config
 from kvlayout import KV_DTYPES, chunk_layout
 from model import ModelArgs
@@ -99,6 +100,13 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "and kv head, about half of bf16's bytes in every tier and link; int4 = keys "
                    "per channel within a chunk, values per token, about a quarter (lossy; offload "
                    "stays bit-identical to --offload none with the same --kv-dtype)")
+    p.add_argument("--attention", choices=("flash", "compiled"), default="flash",
+                   help="the kernel of a decode step's visits to sealed chunks on CPU: flash = "
+                   "torch's fused kernel; compiled = one that torch.compile builds for a few query "
+                   "rows (needs a C++ compiler; a few seconds to build as the cache is made, "
+                   "cached in ~/.cache/kvoffload/inductor), about 1.1-1.2x faster decode at 6K "
+                   "positions, a little slower at 1K (docs/performance.md). Either way every "
+                   "--offload mode is bit-identical to the others (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "
                    "this process may use that other processes do not keep busy while the model "
@@ -145,6 +153,7 @@ def check_common(args, needs_disk):
         raise UsageError("--group-size goes with --quantize int4")
     if args.quantize == "int4" and args.group_size is None:
         args.group_size = INT4_DEFAULT_GROUP_SIZE
+    fewrows.KERNEL = args.attention  # decided before any forward pass, kept for the run
     checks = [
         (args.chunk_size is None or args.chunk_size > 0,
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+import fewrows
 from race import Actor, Detector
 
 # the real functions, which the emulation patches over
@@ -443,6 +444,9 @@ def emulate(strict_waits=False):
         (torch.Tensor, "copy_", _copy_),
         (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", lambda self, device=None: EMU.is_pinned(self)),
+        # CUDA never runs the CPU's compiled kernel (and torch.compile cannot build under these
+        # patches): torch's fused kernels, as on a GPU
+        (fewrows, "KERNEL", "flash"),
     ] + emu_store.patches()
     # what each patch replaces; None: inherited, deleted on exit
     saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+import fewrows
 import rowwise
-from attention import QUERY_ROWS, attend_chunk, attend_chunks, attend_few, padded_rows
+from attention import QUERY_ROWS, attend_chunks, attend_few, padded_rows
 from kvcache import chunk_groups
 from kvlayout import Int8Layout, PlainLayout
 from offload import OffloadConfig, TieredStore
@@ -45,7 +46,8 @@ def test_a_run_gives_each_chunk_the_bits_of_its_own_call(dtype, T, gap):
     o_n, lse_n = attend_chunks(q, k, v)                             # the stack of n partials
     assert o_n.shape[0] == lse_n.shape[0] == n
     for o, lse, c in zip(o_n, lse_n, chunks):
-        o_own, lse_own = attend_chunk(q, c[0], c[1])                 # one chunk, one call
+        o_own, lse_own = attend_chunks(q, c[0][None], c[1][None])    # one chunk, one call
+        o_own, lse_own = o_own[0], lse_own[0]
         assert torch.equal(o, o_own) and torch.equal(lse, lse_own)
         # and both are attention: the matmul path, written out
         s = (q.float() @ c[0].float().transpose(-1, -2))             # [1, G, R*T, C]
@@ -170,7 +172,10 @@ def test_few_rows_padded_give_the_unpadded_attention(dtype, R):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(o.double(), ref_o, atol=tol)
     assert torch.allclose(lse.double(), s.logsumexp(-1), atol=tol)
-    assert padded_rows(R, dtype) == (R if R >= 4 or (dtype == torch.float32 and R < 3) else 4)
+    if fewrows.few_rows_kernel(q, k) is not None:  # the compiled kernel: rows as they are
+        assert padded_rows(q, k) == R
+    else:
+        assert padded_rows(q, k) == (R if R >= 4 or (dtype == torch.float32 and R < 3) else 4)
 
 
 def reordering_attention(q, k, v):
@@ -224,7 +229,7 @@ def test_a_verify_steps_unpadded_rows_get_their_padded_steps_bits(dtype):
 
 
 def test_a_query_of_another_last_stride_gets_the_same_attention():
-    """torch's CPU flash kernel reads a last dim of stride 2 wrongly (attention.flash_cpu): a
+    """torch's CPU flash kernel reads a last dim of stride 2 wrongly (fewrows.flash_cpu): a
     strided q or k gives the bits of its contiguous copy."""
     g = torch.Generator().manual_seed(9)
     q = torch.randn(1, G, R, D, generator=g)
@@ -237,5 +242,58 @@ def test_a_query_of_another_last_stride_gets_the_same_attention():
     for a, b in ((q2, k), (q, k2)):
         o2, lse2 = attend_chunks(a, b, v)
         assert torch.equal(o, o2) and torch.equal(lse, lse2)
-    o1, lse1 = attend_chunk(q2, k2[0], v[0])
-    assert torch.equal(o1, o[0]) and torch.equal(lse1, lse[0])
+    o1, lse1 = attend_chunks(q2, k2[:1], v[:1])
+    assert torch.equal(o1[0], o[0]) and torch.equal(lse1[0], lse[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_bits(dtype,
+                                                                                  monkeypatch):
+    """A decode step's chunk visits on CPU (fewrows.few_rows, compiled where torch.compile
+    builds it): its eager arithmetic is attention (a float64 reference); compiled, it agrees with
+    that arithmetic to rounding, and every (chunk, row) gets the bits of its own call whatever the
+    rows and chunks beside it (a batch's, a verify step's), the count of chunks in a run and their
+    stride (a tier's run), so no padding is needed and a run cut anywhere gives the same bits."""
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    g = torch.Generator().manual_seed(11)
+    n, RT = 4, 7
+    q = (torch.randn(1, G, RT, D, generator=g) / math.sqrt(D)).to(dtype)  # [B, G, R*T, D]
+    flat, chunks = chunks_at_stride(n, dtype, gap=1, seed=12)
+    run = group_view(chunks, flat)                                   # [n, 2, 1, G, C, D], strided
+    k, v = run[:, 0], run[:, 1]                                      # [n, 1, G, C, D]
+    o, lse = fewrows.few_rows(q[0], k[:, 0], v[:, 0])              # eager: [n, G, RT, D]
+    s = torch.einsum("grd,ngcd->ngrc", q[0].double(), k[:, 0].double())
+    ref = torch.einsum("ngrc,ngcd->ngrd", s.softmax(-1), v[:, 0].double())
+    assert torch.allclose(o.double(), ref, atol=1e-5)
+    assert torch.allclose(lse.double(), s.logsumexp(-1), atol=1e-5)
+    if fewrows.few_rows_kernel(q, k) is None:
+        pytest.skip("torch.compile cannot build the kernel here: torch's fused kernel runs")
+    o_c, lse_c = attend_chunks(q, k, v)                              # [n, 1, G, RT, D]
+    assert torch.allclose(o_c[:, 0], o, atol=1e-5) and torch.allclose(lse_c[:, 0], lse, atol=1e-5)
+    assert padded_rows(q, k) == RT
+    for j in range(n):
+        for rows in (slice(0, RT), slice(2, 3), slice(3, 6)):       # every row, one, a block
+            o_j, lse_j = attend_chunks(q[:, :, rows].clone(), k[j:j + 1].clone(),
+                                       v[j:j + 1].clone())
+            assert torch.equal(o_j[0], o_c[j, :, :, rows]), (j, rows)
+            assert torch.equal(lse_j[0], lse_c[j, :, :, rows]), (j, rows)
+    wide = attend_chunks(torch.cat([q, q.flip(2)] * 3, dim=2), k, v)[0]  # 42 rows of one call
+    assert torch.equal(wide[:, :, :, :RT], o_c)
+
+
+def test_the_few_rows_kernel_is_skipped_on_request_and_where_it_cannot_be_built(monkeypatch,
+                                                                                capsys):
+    """--attention flash (the default) never compiles, nor does a chunk visit of many rows; a
+    build that fails (no C++ compiler, an old torch) is one line on stderr and torch's fused
+    kernel."""
+    q = torch.zeros(1, G, R, D)
+    assert fewrows.KERNEL == "flash" and fewrows.few_rows_kernel(q, q[None]) is None
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    assert fewrows.few_rows_kernel(torch.zeros(1, G, fewrows.FEW_ROWS + 1, D), q) is None
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    assert fewrows.build_few_rows(q, q[None]) is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no working C++ compiler" in err[0] and "--attention flash" in err[0]

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+import fewrows
 import speculate
 from generate import Sampling, generate
 from kvcache import make_cache
@@ -324,3 +325,35 @@ def test_verify_py_proves_speculation_in_every_mode(text_ckpt, tmp_path, capsys,
     for mode in ("none", "cpu", "disk"):
         assert f"{mode}+spec " in out and f"{mode}+spec sampled" in out
     assert "DIFFERENT" not in out and "OK: every mode" in out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_compiled_attention_keeps_every_mode_and_guess_bit_identical(models, tmp_path,
+                                                                         monkeypatch, dtype):
+    """--attention compiled (fewrows.few_rows built by torch.compile): plain decoding through
+    every tier, and speculation by the model itself and by lookup, give the bits of plain
+    decoding with --offload none; a verify step's rows share a group's call (its rows are their
+    own bits by construction)."""
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    model = models[dtype][0]
+    G = model.args.n_kv_heads
+    if fewrows.few_rows_kernel(torch.zeros(1, G, 3, model.args.head_dim, dtype=dtype),
+                                 torch.zeros(1, 1, G, C, model.args.head_dim, dtype=dtype)) is None:
+        pytest.skip("torch.compile cannot build the kernel here")
+    ids = prompt()
+    reference = run(model, ids, "none", tmp_path)
+    monkeypatch.setattr(fewrows, "KERNEL", "flash")
+    flash = run(model, ids, "none", tmp_path)
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    # the kernel is in effect: its sums are not the fused kernel's
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(reference[1], flash[1]))
+    shared = []
+    real = speculate.shared_rows
+    monkeypatch.setattr(speculate, "shared_rows", lambda *a: shared.append(real(*a)) or shared[-1])
+    for mode in ("none", "cpu", "disk"):
+        assert_same(reference, run(model, ids, mode, tmp_path))
+        assert_same(reference, run(model, ids, mode, tmp_path, guessers(models, dtype, "self")))
+        lookup_ids = (ids[:12] * 4)[:P]
+        assert_same(run(model, lookup_ids, "none", tmp_path),
+                    run(model, lookup_ids, mode, tmp_path, guessers(models, dtype, "lookup")))
+    assert shared and all(shared)
