@@ -68,27 +68,28 @@ def few_rows_kernel(q, k):
     return _FEW[key]
 
 
-def call_few(fn, q, k, v):
-    """fn (the compiled few_rows) on q [M, RT, D], k, v [n, M, C, D]. Detached first: dynamo
-    guards a view on the sizes of the tensor it views (an arena's, a pool's: a new build for
-    every max length), and a detached tensor is no view to it; a lone chunk given the stride of
-    a run's (the build's), which its one index never uses. Dynamo's limits are per thread
-    (a batch's engine, a tensor-parallel rank), so each thread that calls it sets them."""
+def ready_thread():
+    """Dynamo's limits, which are per thread (a batch's engine, a tensor-parallel rank): past them
+    fail (fullgraph) rather than quietly run the eager arithmetic's bits."""
     if not getattr(_THREAD, "ready", False):
         config = torch._dynamo.config
-        # past the limit, fail (fullgraph) rather than quietly run the eager arithmetic's bits
         config.recompile_limit = max(config.recompile_limit, 64)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
         config.fail_on_recompile_limit_hit = True
         torch.fx.experimental._config.use_duck_shape = False  # no guard on sizes that match
         _THREAD.ready = True
+
+
+def call_few(fn, q, k, v):
+    """fn (the compiled few_rows) on q [M, RT, D], k, v [n, M, C, D]. Detached first: dynamo
+    guards a view on the sizes of the tensor it views (an arena's, a pool's: a new build for
+    every max length), and a detached tensor is no view to it; a lone chunk given the stride of
+    a run's (the build's), which its one index never uses."""
+    ready_thread()
     if k.shape[0] == 1:  # a lone chunk's stride over chunks is arbitrary: the one of a run's
         k, v = (t.as_strided(t.shape, (2 * t[0].numel(), *t.stride()[1:]), t.storage_offset())
                 for t in (k, v))
-    q, k, v = q.detach(), k.detach(), v.detach()
-    for t in (k, v):  # unbacked: no build of its own for a run of one chunk
-        torch._dynamo.decorators.mark_unbacked(t, 0)
-    return fn(q, k, v)
+    return fn(q.detach(), k.detach(), v.detach())
 
 
 def prepare(dtype, k_dtype, G, R, C, D):
@@ -128,7 +129,13 @@ def build_few_rows(q, k):
             k_in, v_in = base[offset:].view(2, 2, M, C, D).unbind(1)  # [n=2, M, C, D] each
             with torch.inference_mode():  # the queries as a step makes them
                 q_in = torch.randn(M, RT, D, generator=g).to(q.dtype) / math.sqrt(D)
-                o, lse = call_few(fn, q_in, k_in, v_in)
+                # the count of chunks unbacked: the build takes a lone chunk too (no guard on it,
+                # so a call needs no mark)
+                q_in, k_in, v_in = q_in.detach(), k_in.detach(), v_in.detach()
+                for t in (k_in, v_in):
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+                ready_thread()
+                o, lse = fn(q_in, k_in, v_in)
                 o_ref, lse_ref = few_rows(q_in, k_in, v_in)
             agree &= torch.allclose(o, o_ref, atol=1e-4) and torch.allclose(lse, lse_ref,
                                                                             atol=1e-4)
