@@ -31,7 +31,7 @@ import torch
 # torch.compile (inductor's C++), on CPU: torch's fused kernel is compute-bound at a few rows.
 FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 positions at R 3)
 KERNEL = "flash"  # --attention: "flash" (torch's fused kernels) or "compiled" (few_rows on CPU)
-_THREAD = threading.local()  # whether this thread set dynamo's limits (call_few)
+_THREAD = threading.local()  # whether this thread set dynamo's limits (ready_thread)
 _FEW = {}        # (q dtype, K dtype) -> the compiled few_rows, or None where it did not build
 BUILD_SECONDS = {}  # (q dtype, K dtype) -> seconds the build and its check took (statistics)
 
@@ -96,6 +96,8 @@ def prepare(dtype, k_dtype, G, R, C, D):
     """Build the compiled kernel a decode step of one sequence will use (G kv heads of R query
     heads, chunks of C positions of head dim D, queries in `dtype`, K and V reaching attention in
     k_dtype), so that its build is not in the first step (kvcache.make_cache calls this)."""
+    if KERNEL != "compiled":  # nothing to build
+        return
     few_rows_kernel(torch.zeros(1, G, R, D, dtype=dtype), torch.zeros(2, 1, G, C, D, dtype=k_dtype))
 
 
@@ -115,7 +117,7 @@ def build_few_rows(q, k):
             make_private_dir(path, "the compiled kernels' cache")
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
         import torch._dynamo
-        import torch.fx.experimental._config  # noqa: F401 (call_few sets it)
+        import torch.fx.experimental._config  # noqa: F401 (ready_thread sets it)
         fn = torch.compile(few_rows, dynamic=True, fullgraph=True)
         B, G, RT, D = q.shape
         M, C = B * G, k.shape[-2]

@@ -14,7 +14,6 @@ import torch
 
 import cuda_emu
 import disk
-import fewrows
 from disk import DiskError
 from generate import decode_batch, decode_one_token, prefill
 from kvcache import make_cache
@@ -27,16 +26,6 @@ from runs.task import run_task
 C = 7     # chunk size
 P = 45    # prompt tokens
 NEW = 12  # new tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fused_kernels():
-    """The CUDA path's attention kernels for the references too: on CUDA the CPU's compiled
-    kernel never runs (and the emulation sets --attention flash while it runs)."""
-    kernel = fewrows.KERNEL
-    fewrows.KERNEL = "flash"
-    yield
-    fewrows.KERNEL = kernel
 
 
 @pytest.fixture(scope="module")
