@@ -33,3 +33,20 @@ def test_every_part_is_clocked_and_its_bytes_are_the_weights_and_kv_it_reads(cap
     # K and V of every position, every layer
     assert rows["attend"][1] == round(context * 2 * G * D * fp32 * L / mib, 1)
     assert "aten::" in out  # torch.profiler's table
+
+
+def test_half_precision_kv_halves_what_attention_reads(capsys):
+    """--kv-dtype fp16 holds K and V in 2 bytes: the attend row's bytes are half fp32 KV's."""
+    read = {}
+    for kv in ("auto", "fp16"):
+        profile_decode.main(["--random-model", "kv16k", "--context", "100", "--chunk-size", "16",
+                             "--steps", "4", "--threads", "1", "--ops", "1", "--kv-dtype", kv])
+        out = capsys.readouterr().out
+        read[kv] = float(re.search(r"^\| attend \| [\d.-]+ \| [\d-]+% \| ([\d.]+) \|", out,
+                                   re.M).group(1))
+    t = PRESETS["kv16k"]
+    context = 100 + 4 + 2
+    assert read["auto"] == round(context * 2 * t["kv_heads"] * t["head_dim"] * 4 * t["layers"]
+                                 / 2**20, 1)
+    assert read["fp16"] == round(context * 2 * t["kv_heads"] * t["head_dim"] * 2 * t["layers"]
+                                 / 2**20, 1)

@@ -7,6 +7,8 @@ the slowest layer against the median one, and torch.profiler's operators.
 
     python tools/profile_decode.py --random-model smollm2-135m --context 2048
     python tools/profile_decode.py --ckpt DIR --context 4096 --dtype bf16 --offload disk
+    python tools/profile_decode.py --ckpt DIR --context 6144 --attention compiled --kv-dtype fp16
+    python tools/profile_decode.py --ckpt DIR --context 6144 --dtype bf16 --quantize int8
 
 A decode step reads every weight once and the KV of the whole context: when a part reads at a rate
 well below the bandwidth, its time goes to something other than bytes (operator overhead, threads
@@ -26,8 +28,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fewrows  # noqa: E402
 from generate import decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
+from kvlayout import KV_DTYPES  # noqa: E402
 from measure.probe import GB, read_bandwidth  # noqa: E402
 from measure.random_model import PRESETS, build_random_checkpoint, parse_model_spec  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -98,6 +102,11 @@ def main(argv=None):
     p.add_argument("--threads", type=int,
                    help="default: OMP_NUM_THREADS, else as generate.py chooses (cores.py)")
     p.add_argument("--ops", type=int, default=12, help="rows of torch.profiler's table")
+    p.add_argument("--attention", default="flash", choices=("flash", "compiled"),
+                   help="a decode step's chunk visits: torch's fused kernel or fewrows.py's")
+    p.add_argument("--quantize", choices=("int8", "int4"), help="weights quantized as they load")
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="how K and V are held (kvlayout.py)")
     args = p.parse_args(argv)
     watch = CoreWatch()
     dtype = DTYPES[args.dtype]
@@ -106,12 +115,13 @@ def main(argv=None):
         if ckpt is None:
             ckpt = os.path.join(tmp, "model")
             build_random_checkpoint(parse_model_spec(args.random_model), ckpt, dtype, "cpu")
-        model = Transformer.from_pretrained(ckpt, dtype=dtype)
+        model = Transformer.from_pretrained(ckpt, dtype=dtype, quantize=args.quantize)
         if args.threads or "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(args.threads or watch.threads()[0])
         cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=tmp + "/kv")
         total = args.context + args.steps + 8
-        cache = make_cache(model, cfg, args.chunk_size, total)
+        fewrows.KERNEL = args.attention
+        cache = make_cache(model, cfg, args.chunk_size, total, kv_dtype=args.kv_dtype)
         ids = torch.randint(3, model.args.vocab_size, (1, args.context),
                             generator=torch.Generator().manual_seed(0))
         try:
