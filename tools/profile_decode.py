@@ -8,7 +8,7 @@ the slowest layer against the median one, and torch.profiler's operators.
     python tools/profile_decode.py --random-model smollm2-135m --context 2048
     python tools/profile_decode.py --ckpt DIR --context 4096 --dtype bf16 --offload disk
     python tools/profile_decode.py --ckpt DIR --context 6144 --attention compiled --kv-dtype fp16
-    python tools/profile_decode.py --ckpt DIR --context 6144 --dtype bf16 --quantize int8
+    python tools/profile_decode.py --ckpt DIR --context 6144 --dtype bf16 --quantize int8   # int4-g32, -g64, -g128
 
 A decode step reads every weight once and the KV of the whole context: when a part reads at a rate
 well below the bandwidth, its time goes to something other than bytes (operator overhead, threads
@@ -36,6 +36,7 @@ from measure.probe import GB, read_bandwidth  # noqa: E402
 from measure.random_model import PRESETS, build_random_checkpoint, parse_model_spec  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
+from quantize import QUANTIZE  # noqa: E402
 from runs.cores import CoreWatch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -104,7 +105,8 @@ def main(argv=None):
     p.add_argument("--ops", type=int, default=12, help="rows of torch.profiler's table")
     p.add_argument("--attention", default="flash", choices=("flash", "compiled"),
                    help="a decode step's chunk visits: torch's fused kernel or fewrows.py's")
-    p.add_argument("--quantize", choices=("int8", "int4"), help="weights quantized as they load")
+    p.add_argument("--quantize", choices=[q for q in QUANTIZE if q],
+                   help="weights quantized as they load (int8, or int4 with its group size)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="how K and V are held (kvlayout.py)")
     args = p.parse_args(argv)
