@@ -8,7 +8,7 @@ the slowest layer against the median one, and torch.profiler's operators.
     python tools/profile_decode.py --random-model smollm2-135m --context 2048
     python tools/profile_decode.py --ckpt DIR --context 4096 --dtype bf16 --offload disk
     python tools/profile_decode.py --ckpt DIR --context 6144 --attention compiled --kv-dtype fp16
-    python tools/profile_decode.py --ckpt DIR --context 6144 --dtype bf16 --quantize int8   # int4-g32, -g64, -g128
+    python tools/profile_decode.py --ckpt DIR --context 6144 --dtype bf16 --quantize int4-g32
 
 A decode step reads every weight once and the KV of the whole context: when a part reads at a rate
 well below the bandwidth, its time goes to something other than bytes (operator overhead, threads
