@@ -115,12 +115,8 @@ def attend_chunks(q, k, v):
     RT = q.shape[2]
     few = few_rows_kernel(q, k)
     if few is not None:  # K and V read as they are held, whatever their dtype
-        # the kernel is compiled for the strides it sees: a chunk's rows made unit-stride and
-        # dense (every tier's are), so every layout runs the same loops
-        k, v = (t if t.stride(-1) == 1 and t.stride(-2) == D else t.contiguous() for t in (k, v))
         # [B*G, R*T, D] against [n, B*G, C, D]: flattening B and G is a view of every layout
-        o, lse = call_few(few, q.reshape(B * G, RT, D).contiguous(), k.flatten(1, 2),
-                          v.flatten(1, 2))
+        o, lse = call_few(few, q.reshape(B * G, RT, D), k.flatten(1, 2), v.flatten(1, 2))
         return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
     q, k, v = common_dtype(q, k, v)    # K and V held in half precision under wider weights
     qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]

@@ -102,7 +102,7 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "stays bit-identical to --offload none with the same --kv-dtype)")
     p.add_argument("--attention", choices=("flash", "compiled"), default="flash",
                    help="the kernel of a decode step's visits to sealed chunks on CPU: flash = "
-                   "torch's fused kernel; compiled = one that torch.compile builds for a few query "
+                   "torch's fused kernel; compiled = one that inductor builds for a few query "
                    "rows (needs a C++ compiler; a few seconds to build as the cache is made, "
                    "cached in ~/.cache/kvoffload/inductor), decode 1.1x (fp32, bf16) to 1.3x "
                    "(--quantize int8) faster at 6K positions, a little slower at 1K "

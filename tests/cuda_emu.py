@@ -444,7 +444,7 @@ def emulate(strict_waits=False):
         (torch.Tensor, "copy_", _copy_),
         (torch.Tensor, "pin_memory", _pin_memory),
         (torch.Tensor, "is_pinned", lambda self, device=None: EMU.is_pinned(self)),
-        # CUDA never runs the CPU's compiled kernel (and torch.compile cannot build under these
+        # CUDA never runs the CPU's compiled kernel (and inductor cannot build under these
         # patches): torch's fused kernels, as on a GPU
         (fewrows, "KERNEL", "flash"),
     ] + emu_store.patches()

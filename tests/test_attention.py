@@ -6,6 +6,7 @@ only; the store presents a group as one view where its chunks sit at one stride 
 --offload none, the host pool, the disk file) and the same bytes otherwise; the attention a step
 computes equals softmax attention written out from scratch.
 """
+import importlib
 import math
 
 import pytest
@@ -249,7 +250,7 @@ def test_a_query_of_another_last_stride_gets_the_same_attention():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_bits(dtype,
                                                                                   monkeypatch):
-    """A decode step's chunk visits on CPU (fewrows.few_rows, compiled where torch.compile
+    """A decode step's chunk visits on CPU (fewrows.few_rows, compiled where inductor
     builds it): its eager arithmetic is attention (a float64 reference); compiled, it agrees with
     that arithmetic to rounding, and every (chunk, row) gets the bits of its own call whatever the
     rows and chunks beside it (a batch's, a verify step's), the count of chunks in a run and their
@@ -267,7 +268,7 @@ def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_b
     assert torch.allclose(o.double(), ref, atol=1e-5)
     assert torch.allclose(lse.double(), s.logsumexp(-1), atol=1e-5)
     if fewrows.few_rows_kernel(q, k) is None:
-        pytest.skip("torch.compile cannot build the kernel here: torch's fused kernel runs")
+        pytest.skip("inductor cannot build the kernel here: torch's fused kernel runs")
     o_c, lse_c = attend_chunks(q, k, v)                              # [n, 1, G, RT, D]
     assert torch.allclose(o_c[:, 0], o, atol=1e-5) and torch.allclose(lse_c[:, 0], lse, atol=1e-5)
     assert padded_rows(q, k) == RT
@@ -293,7 +294,8 @@ def test_the_few_rows_kernel_is_skipped_on_request_and_where_it_cannot_be_built(
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-    monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(importlib.import_module("torch._inductor.compile_fx"), "compile_fx",
+                        no_compiler)
     assert fewrows.build_few_rows(q, q[None]) is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no working C++ compiler" in err[0] and "--attention flash" in err[0]

@@ -330,7 +330,7 @@ def test_verify_py_proves_speculation_in_every_mode(text_ckpt, tmp_path, capsys,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_compiled_attention_keeps_every_mode_and_guess_bit_identical(models, tmp_path,
                                                                          monkeypatch, dtype):
-    """--attention compiled (fewrows.few_rows built by torch.compile): plain decoding through
+    """--attention compiled (fewrows.few_rows built by inductor): plain decoding through
     every tier, and speculation by the model itself and by lookup, give the bits of plain
     decoding with --offload none; a verify step's rows share a group's call (its rows are their
     own bits by construction)."""
@@ -339,7 +339,7 @@ def test_the_compiled_attention_keeps_every_mode_and_guess_bit_identical(models,
     G = model.args.n_kv_heads
     if fewrows.few_rows_kernel(torch.zeros(1, G, 3, model.args.head_dim, dtype=dtype),
                                  torch.zeros(1, 1, G, C, model.args.head_dim, dtype=dtype)) is None:
-        pytest.skip("torch.compile cannot build the kernel here")
+        pytest.skip("inductor cannot build the kernel here")
     ids = prompt()
     reference = run(model, ids, "none", tmp_path)
     monkeypatch.setattr(fewrows, "KERNEL", "flash")
