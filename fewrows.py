@@ -31,7 +31,7 @@ import torch
 # inductor (C++), on CPU: torch's fused kernel is compute-bound at a few rows.
 FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 positions at R 3)
 KERNEL = "flash"  # --attention: "flash" (torch's fused kernels) or "compiled" (few_rows on CPU)
-_FEW = {}        # (q dtype, K dtype, kv heads, C, D) -> the compiled few_rows, or None
+_FEW = {}        # (q dtype, K dtype, kv heads, D) -> the compiled few_rows, or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
 
 
@@ -54,13 +54,13 @@ def few_rows_kernel(q, k):
     """The compiled few_rows for a chunk visit of q [B, G, RT, D] over K of k's dtype, or None
     where torch's fused kernel takes it: without --attention compiled, on CUDA, past FEW_ROWS rows
     (a prefill chunk: its products are large enough for the fused kernel), or where inductor
-    cannot build it (no C++ compiler, an old torch). Decided once per (q dtype, K dtype) and shape
-    of a chunk in a process, before the first visit, so a run never changes kernel midway; a
-    function of device, shapes and dtypes only, so placement-free."""
+    cannot build it (no C++ compiler, an old torch). Decided once per (q dtype, K dtype) and kv
+    heads and head dim in a process, before the first visit, so a run never changes kernel
+    midway; a function of device, shapes and dtypes only, so placement-free."""
     if KERNEL != "compiled" or not q.is_cpu or q.shape[2] > FEW_ROWS:
         return None
     B, G, _, D = q.shape
-    key = (q.dtype, k.dtype, B * G, k.shape[-2], D)
+    key = (q.dtype, k.dtype, B * G, D)
     if key not in _FEW:
         start = time.perf_counter()
         _FEW[key] = build_few_rows(q, k)
@@ -89,9 +89,10 @@ def prepare(dtype, k_dtype, G, R, C, D):
 def build_few_rows(q, k):
     """few_rows compiled by inductor for q's and k's dtypes and a chunk's shape (q [B, G, RT, D], k
     [n, B, G, C, D]), checked against its eager arithmetic on random inputs, or None with one line
-    on stderr saying why. Traced with the count of chunks, the rows and the stride between chunks
-    symbolic (one build serves a lone chunk and a run, a decode step and a verify step's rows, a
-    run in a tier's buffer or in the arena), every other size as a step gives it. Inductor's cache
+    on stderr saying why. Traced with the count of chunks, the rows, the positions of a chunk and
+    the stride between chunks symbolic (one build serves a lone chunk and a run, the open chunk's
+    first positions, a decode step and a verify step's rows, a run in a tier's buffer or in the
+    arena), every other size as a step gives it. Inductor's cache
     (its C++ and the graphs, reused by later runs) goes to $TORCHINDUCTOR_CACHE_DIR, by default
     ~/.cache/kvoffload/inductor, mode 700."""
     why = None
@@ -108,10 +109,10 @@ def build_few_rows(q, k):
         M, C = B * G, k.shape[-2]
         g = torch.Generator().manual_seed(0)
 
-        def inputs(n, rows):
+        def inputs(n, rows, length=C):
             """q [M, rows, D] and a run of n chunks' K and V as a store holds them: a chunk's K
-            then its V, [n, 2, M, C, D] viewed as k, v [n, M, C, D]."""
-            base = torch.randn(n, 2, M, C, D, generator=g).to(k.dtype)
+            then its V, [n, 2, M, length, D] viewed as k, v [n, M, length, D]."""
+            base = torch.randn(n, 2, M, length, D, generator=g).to(k.dtype)
             q_in = (torch.randn(M, rows, D, generator=g) / math.sqrt(D)).to(q.dtype)
             return q_in, base[:, 0], base[:, 1]
 
@@ -121,8 +122,8 @@ def build_few_rows(q, k):
                 gm = make_fx(few_rows, tracing_mode="symbolic")(*inputs(3, RT + 2))
             fn = compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
             agree = True
-            for n, rows in ((1, 1), (2, RT), (5, FEW_ROWS)):
-                q_in, k_in, v_in = inputs(n, rows)
+            for n, rows, length in ((1, 1, 1), (1, RT, C // 2 + 1), (2, RT, C), (5, FEW_ROWS, C)):
+                q_in, k_in, v_in = inputs(n, rows, length)
                 o, lse = fn(q_in, k_in, v_in)
                 o_ref, lse_ref = few_rows(q_in, k_in, v_in)
                 agree &= torch.allclose(o, o_ref, atol=1e-4) and torch.allclose(lse, lse_ref,

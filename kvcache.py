@@ -44,12 +44,13 @@ import torch
 from attention import (
     Partials,
     attend_chunk,
+    attend_chunks,
     attend_few,
     attend_open_chunk,
     first_visible_chunk,
     visible_keys,
 )
-from fewrows import prepare
+from fewrows import few_rows_kernel, prepare
 from kvlayout import chunk_layout
 from offload import TieredStore
 from policy import Exact, make_selection
@@ -180,8 +181,7 @@ class KVCache:
             self.store.prefetch_more(self.reads())
         self.count(layer, first, n, len(visits))
         parts = self.attend_sealed(layer, q, visits)
-        # k, v [B, G, off+T, D]
-        parts.add_one(*attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W))
+        parts.add_one(*self.attend_open(q, kv, off, R, W))
         o = parts.output()                                 # [B, G, R*T, D] fp32
         return (o if o.dtype == q.dtype else o.to(q.dtype)).reshape(B, H, T, D)  # [B, H, T, D]
 
@@ -229,6 +229,22 @@ class KVCache:
             for j in self.selection.choose(layer, first, self.n_sealed, T, lse):
                 parts.add(o[j - first:j - first + 1], lse[j - first:j - first + 1])
         return parts
+
+    def attend_open(self, q, kv, off, R, W):
+        """The open chunk kv's partial (o [B, G, R*T, D], lse [B, G, R*T]) for the rows q [B, G,
+        R*T, D] (scaled) at offsets off..off+T-1. One position that sees every key up to its own
+        (a decode step; a verify step's row, speculate.py) reads the chunk's first off+1 positions
+        as a chunk of that length, through the compiled kernel where the sealed chunks' visits
+        take it: K and V as held, and no fused kernel's call; else attention.attend_open_chunk.
+        A function of offsets, shapes and dtypes only, so placement-free."""
+        T = q.shape[2] // R
+        if T == 1 and (W is None or off < W):
+            k, v = self.layout.read_held(kv, off + 1)       # [B, G, off+1, D]
+            if few_rows_kernel(q, k) is not None:
+                o, lse = attend_chunks(q, k[None], v[None])  # [1, B, G, R, D], [1, B, G, R]
+                return o[0], lse[0]
+        # k, v [B, G, off+T, D]
+        return attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W)
 
     def count(self, layer, first, n, read):
         """What this layer's attention reads of the n sealed chunks, and what it skips."""

@@ -47,6 +47,10 @@ class PlainLayout:
             return chunk.unbind(0)
         return chunk[0, :, :, :upto], chunk[1, :, :, :upto]
 
+    def read_held(self, chunk, upto):
+        """(k, v) [B, G, upto, D] as held: views (the compiled kernel reads any float dtype)."""
+        return PlainLayout.read(self, chunk, upto)
+
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks held as one tensor [n, 2, B, G, C, D]:
         views."""
@@ -114,6 +118,8 @@ class Int8Layout:
         # int8 * fp32: one kernel; [2, B, G, upto, D]
         x = torch.mul(kv[..., :D].view(torch.int8), scale).to(self.compute_dtype)
         return x[0], x[1]
+
+    read_held = read  # the compute dtype: what a sealed group reaches attention in
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks [n, 2, B, G, C, D + 4]: the same
@@ -239,6 +245,8 @@ class Int4Layout:
         if cut < C:
             torch.addcmul(lo[:, :, -1], q[:, :, cut:, 0], scale[:, :, -1], out=k[:, :, cut:])
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
+
+    read_held = read  # the compute dtype: what a sealed group reaches attention in
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks [n, 1, B, G, C, D + 4 + E], each read as

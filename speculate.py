@@ -39,7 +39,6 @@ from attention import (
     attend_chunk,
     attend_chunks,
     attend_few,
-    attend_open_chunk,
     first_visible_chunk,
     pad_rows,
     padded_rows,
@@ -113,9 +112,8 @@ def attend_rows(cache, layer, q, k, v):
         attend_apart(cache, layer, rows, visits)
     out = []
     for i, row in enumerate(rows):
-        # the open chunk up to this row's own offset: k, v [1, G, off+i+1, D]
-        row.parts.add_one(*attend_open_chunk(row.q, *cache.layout.read(kv, off + i + 1), off + i,
-                                             R, W))
+        # the open chunk up to this row's own offset, as the row's own step reads it
+        row.parts.add_one(*cache.attend_open(row.q, kv, off + i, R, W))
         o = row.parts.output()
         out.append(o.to(q.dtype).view(1, G, R, 1, D).reshape(1, H, 1, D))
     return torch.cat(out)  # [N, H, 1, D]

@@ -156,6 +156,44 @@ def test_a_decode_step_over_groups_is_attention(tmp_path):
         store.close()
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp16"])
+def test_the_open_chunk_through_the_compiled_kernel_is_attention_over_its_written_keys(
+        kv_dtype, monkeypatch, tmp_path):
+    """--attention compiled: a decode step reads the open chunk's first off+1 positions as a
+    chunk of that length through the compiled kernel (KVCache.attend_open); what lies past them
+    (NaN here: a rejected guess's bytes, or a fresh buffer's) never enters, and the partial is
+    the attention of those keys (float64 reference), at every offset of the chunk."""
+    from kvcache import KVCache
+    from kvlayout import chunk_layout
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    layout = chunk_layout(kv_dtype, torch.float32)
+    if fewrows.few_rows_kernel(torch.zeros(1, G, R, D), torch.zeros(2, 1, G, C, D,
+                                                                     dtype=layout.attend_dtype)
+                               ) is None:
+        pytest.skip("inductor cannot build the kernel here")
+    store = TieredStore(shape=layout.shape(1, G, C, D), dtype=layout.dtype, n_layers=1,
+                        max_length=2 * C, device="cpu", cfg=OffloadConfig(mode="none"))
+    cache = KVCache(store, layout)
+    g = torch.Generator().manual_seed(7)
+    try:
+        kv = store.open_chunk(0)
+        kv.fill_(float("nan"))
+        keys, values = [], []
+        for off in range(C):
+            cache.begin(1, decode=True)
+            q, k, v = (torch.randn(1, n, 1, D, generator=g) for n in (G * R, G, G))
+            out = cache.attend(0, q, k, v)                              # [1, H, 1, D]
+            keys.append(k.to(layout.dtype).double())  # as held: rounded where half precision
+            values.append(v.to(layout.dtype).double())
+            K = torch.cat(keys, 2).repeat_interleave(R, 1)               # [1, H, off+1, D]
+            V = torch.cat(values, 2).repeat_interleave(R, 1)
+            ref = torch.softmax(q.double() @ K.transpose(-1, -2) / math.sqrt(D), -1) @ V
+            assert torch.allclose(out.double(), ref, atol=1e-5), off
+            cache.commit()
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R", [1, 2, 3, 5])
 def test_few_rows_padded_give_the_unpadded_attention(dtype, R):
