@@ -104,9 +104,9 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    help="the kernel of a decode step's visits to sealed chunks on CPU: flash = "
                    "torch's fused kernel; compiled = one that inductor builds for a few query "
                    "rows (needs a C++ compiler; a few seconds to build as the cache is made, "
-                   "cached in ~/.cache/kvoffload/inductor), decode 1.1x (fp32, bf16) to 1.3x "
-                   "(--quantize int8) faster at 6K positions, a little slower at 1K "
-                   "(docs/performance.md). Either way every "
+                   "cached in ~/.cache/kvoffload/inductor), decode 1.1x to 1.3x faster at 6K "
+                   "positions and about as fast or faster at 1K (docs/performance.md, rounds ten "
+                   "and twelve). Either way every "
                    "--offload mode is bit-identical to the others (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "
