@@ -16,9 +16,9 @@ by inductor (compile_fx), a few seconds (made as the cache is made, kvcache.make
 cached by inductor for later runs). A call is then the generated code itself: no guards to
 evaluate, no cache of builds to look up (dynamo's cost a call was 100-200 us on a slow CPU, as much
 as a chunk's arithmetic). What guards would check is checked by construction instead: one build
-per (q dtype, K dtype), for any count of chunks, rows and strides between chunks; the generated
-code asserts every other size and stride it was built for, so a caller's mistake raises rather
-than computes.
+per (q dtype, K dtype, kv heads, head dim), for any count of chunks, rows, positions of a chunk and
+stride between chunks; the generated code asserts every other size and stride it was built for,
+so a caller's mistake raises rather than computes.
 """
 import math
 import os
@@ -92,9 +92,9 @@ def build_few_rows(q, k):
     on stderr saying why. Traced with the count of chunks, the rows, the positions of a chunk and
     the stride between chunks symbolic (one build serves a lone chunk and a run, the open chunk's
     first positions, a decode step and a verify step's rows, a run in a tier's buffer or in the
-    arena), every other size as a step gives it. Inductor's cache
-    (its C++ and the graphs, reused by later runs) goes to $TORCHINDUCTOR_CACHE_DIR, by default
-    ~/.cache/kvoffload/inductor, mode 700."""
+    arena), every other size as a step gives it. Inductor's cache (its C++ and the graphs, reused
+    by later runs) goes to $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/kvoffload/inductor, mode
+    700."""
     why = None
     try:
         if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
