@@ -17,7 +17,10 @@ Tasks, on the demo model (trained on Python's reference manual) and the manual's
             copy (greedy decoding of this small model at long contexts falls into loops, which
             lookup does find: the quote and code tasks measure those too)
 Each (task, context, offload, dtype) runs plain and every --ks in turn, --repeats times, in fresh
-caches; the figure is the median. Prints a markdown table (docs/speculation.md).
+caches; the figure is the median. The prompt's full chunks are computed once per (task, context,
+dtype) and adopted by every later run from a KV store in a temporary directory (bit for bit what
+prefill computes: tests/test_kvstore.py), so a run costs its decode and the prompt's open chunk.
+Prints a markdown table (docs/speculation.md).
 """
 import argparse
 import os
@@ -37,7 +40,9 @@ from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from runs.cores import CoreWatch  # noqa: E402
 from runs.flags import set_threads  # noqa: E402
+from runs.kvstore import KVStore  # noqa: E402
 from runs.task import run_task  # noqa: E402
+from runs.taskdir import model_fingerprint, run_fingerprint  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
@@ -75,7 +80,7 @@ def task_prompt(tok, task, context, opening=32):
     return doc + tok.encode(text[at:])[:opening]
 
 
-def one_run(model, task, ids, args, mode, k, tmp):
+def one_run(model, task, ids, args, mode, k, tmp, store):
     """(new ids, stats) of one generation, plain (k None) or with lookup:k."""
     cfg = OffloadConfig(mode=mode, window=args.window, offload_dir=tmp,
                         cpu_budget_gib=0 if mode == "disk" else None)
@@ -86,7 +91,7 @@ def one_run(model, task, ids, args, mode, k, tmp):
     sampling = Sampling(temperature=1.0, seed=0) if task == "free" else Sampling()
     return run_task(model, ids, args.max_new_tokens, chunk_size=args.chunk_size, cfg=cfg,
                     sampling=sampling, task_id=f"spec_{os.getpid()}_{time.monotonic_ns()}",
-                    speculation=speculation)
+                    speculation=speculation, kv_store=store.kv, fingerprint=store.fingerprint)
 
 
 def chunk_bytes(model, args):
@@ -150,6 +155,9 @@ def main():
         os.chmod(tmp, 0o700)
         for dtype in args.dtypes.split(","):
             model = Transformer.from_pretrained(args.ckpt, dtype=DTYPES[dtype])
+            store = argparse.Namespace(kv=KVStore(os.path.join(tmp, f"store-{dtype}")),
+                                       fingerprint=run_fingerprint(model_fingerprint(args.ckpt),
+                                                                   dtype=dtype))
             set_threads(args, watch)
             print(f"<!-- {dtype}: {torch.get_num_threads()} threads, load "
                   f"{open('/proc/loadavg').read().split()[0]} -->", flush=True)
@@ -163,7 +171,7 @@ def main():
                         runs = {k: [] for k in [None] + ks}
                         for _ in range(args.repeats):
                             for k in runs:  # interleaved: plain, then each K, then again
-                                runs[k].append(one_run(model, task, ids, args, mode, k, tmp))
+                                runs[k].append(one_run(model, task, ids, args, mode, k, tmp, store))
                         report(task, len(ids), mode, dtype, runs, chunk_bytes(model, args))
 
 
