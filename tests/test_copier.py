@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import speculate
-from generate import Sampling
+from generate import Sampling, generate
+from kvcache import make_cache
 from measure.copier import build_copier
 from model import Transformer
 from offload import OffloadConfig
@@ -75,3 +76,41 @@ def test_lookup_keeps_several_guesses_a_step_on_the_copier_and_changes_nothing(c
     assert spec[0] == plain[0]
     assert plain[0][:30] == doc[116:146]
     assert spec[1]["speculation"]["tokens_per_step"] >= 3
+
+
+@torch.inference_mode()
+def test_through_the_disk_tier_in_bf16_every_kept_guess_has_one_token_decodings_bits(copiers,
+                                                                                    tmp_path):
+    """Most guesses kept, verify steps cut at chunk ends, and each position's logits the bits of
+    the one-token loop's (generate.generate) with every sealed chunk but one on disk."""
+    model = Transformer.from_pretrained(copiers[2], dtype=torch.bfloat16)
+    doc = document(600, seed=3)
+    prompt = torch.tensor([doc + doc[200:216]])  # 616 tokens: the steps cross 640 and 704
+    runs = []
+    for guesser in (None, speculate.Lookup(6)):
+        steps = []
+        disk = tmp_path / f"kv{len(runs)}"
+        disk.mkdir(mode=0o700)
+        (disk / "t").mkdir(mode=0o700)
+        cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(disk), cpu_budget_gib=0)
+        cache = make_cache(model, cfg, 64, prompt.shape[1] + 100, disk_path=str(disk / "t"))
+
+        def on_step(phase, logits, cache):
+            steps.append((cache.length - 1, logits[0].clone()))
+        try:
+            if guesser is None:
+                out = generate(model, cache, prompt, 100, Sampling(), (), on_step=on_step)
+            else:
+                out = speculate.generate(model, cache, prompt, 100, Sampling(), (),
+                                         on_step=on_step, speculator=guesser,
+                                         pace=speculate.Pace(timed=False))
+        finally:
+            cache.store.close()
+        runs.append((out, steps))
+    (plain, plain_steps), (spec, spec_steps) = runs
+    assert spec == plain
+    assert [p for p, _ in spec_steps] == [p for p, _ in plain_steps]
+    for (pos, a), (_, b) in zip(plain_steps, spec_steps):
+        assert torch.equal(a, b), f"position {pos}: logits differ"
+    assert guesser.stats["kept"] >= 0.8 * guesser.stats["proposed"]
+    assert guesser.stats["tokens"] / guesser.stats["steps"] >= 3
