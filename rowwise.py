@@ -43,8 +43,8 @@ do, except `Linear`'s blocked product of 2 or 3 rows (MKL's product of a few col
 column), and fp32 SiLU of a width that is not a multiple of 16 fails once the threads split it. The
 key includes the thread count, so each is decided for the threads it runs with.
 
-One row alone (a decode step's product) has its own path too, `Linear`: on CPU in fp32 the library's
-one-row product runs on one thread, at a third of the machine's read bandwidth, so the weight is cut
+One row alone (a decode step's product) has its own path too, `Linear`: on AMD's CPUs in fp32 MKL's
+one-row product runs on one thread, at a third of the bandwidth (blocked_fp32): the weight is cut
 into blocks of output rows, one batched call that the threads share (measured in
 docs/performance.md); up to SPLIT_COLUMNS rows take it as as many columns. Its bits are its own, and
 the same in every run, whatever the thread count: the blocks are a function of the weight's shape
@@ -69,6 +69,7 @@ ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~hal
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
+_BLOCKED = None  # blocked_fp32(), decided once
 
 
 class Linear(nn.Linear):
@@ -86,7 +87,8 @@ class Linear(nn.Linear):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         if (M > SPLIT_COLUMNS or w.dtype != torch.float32 or x.dtype != w.dtype
-                or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()):
+                or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()
+                or not blocked_fp32()):
             return F.linear(x, w, self.bias)
         n = split_blocks(N)
         if n == 1:
@@ -176,6 +178,23 @@ class Joint:
         """The layers' outputs side by side, [..., N_1 + N_2 + ...], from one product; None once
         the weights are no longer its views."""
         return linear(self.layer, x) if self.placed() == self.views else None
+
+
+def blocked_fp32():
+    """Whether fp32 products of one to SPLIT_COLUMNS rows on CPU take Linear's blocked product: on
+    CPUs that are not Intel's. MKL's one-row product runs on one thread there (AMD EPYC, AVX2 and
+    AVX512: a third of the read bandwidth), and on Intel's it is threaded (Xeon with AVX512-BF16,
+    2 threads: 26-31 GB/s against the blocked product's 10-12, docs/performance.md round
+    thirteen), with the same bits at 1 and 2 threads on zero-mean probes of scaled magnitudes (its
+    threads split the outputs, not the sums). A function of the machine, never of a run."""
+    global _BLOCKED
+    if _BLOCKED is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                _BLOCKED = "GenuineIntel" not in f.read(4096)
+        except OSError:
+            _BLOCKED = True
+    return _BLOCKED
 
 
 def split_blocks(N):

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import rowwise
 from attention import Partials, attend_chunk
 from rowwise import SPLIT_COLUMNS, Joint, Linear, linear, split_blocks
 
@@ -141,3 +142,33 @@ def test_partials_give_the_same_bits_however_the_stack_arrives_and_are_attention
         vv = v.double().permute(1, 2, 0, 3, 4).reshape(1, G, n * C, D)
         ref = torch.softmax(q.double() @ kk.transpose(-1, -2), -1) @ vv   # [1, G, R, D]
         assert torch.allclose(outs[0].double(), ref, atol=1e-5), group
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+def test_fp32_one_row_path_either_way_is_thread_invariant_and_a_batch_keeps_its_bits(monkeypatch,
+                                                                                     blocked):
+    """Both of Linear's fp32 one-row paths (blocked_fp32: the blocked product on AMD's CPUs, the
+    library's own on Intel's), forced here whatever this machine is: the same bits at 1 and 2
+    threads, close to a float64 reference, and rowwise.linear gives each of 5 rows its lone bits."""
+    monkeypatch.setattr(rowwise, "_BLOCKED", blocked)
+    monkeypatch.setattr(rowwise, "_DECIDED", {})  # decisions made under the other path
+    assert rowwise.blocked_fp32() is blocked
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(1536, 576, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(576, 1536, generator=g))
+    xs = torch.randn(5, 1, 1536, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [lin(xs[i:i + 1].clone()) for i in range(5)]
+        torch.set_num_threads(2)
+        two = [lin(xs[i:i + 1].clone()) for i in range(5)]
+        both = linear(lin, xs)                                     # [5, 1, 576]
+    finally:
+        torch.set_num_threads(threads)
+    ref = xs.double() @ lin.weight.double().t()
+    for i in range(5):
+        assert torch.equal(one[i], two[i])
+        assert torch.equal(both[i:i + 1], two[i])
+        assert torch.allclose(one[i].double(), ref[i:i + 1], atol=1e-3, rtol=1e-5)
