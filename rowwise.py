@@ -69,7 +69,7 @@ ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~hal
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
-_BLOCKED = None  # blocked_fp32(), decided once
+_BLOCKED = None  # whether this CPU is not Intel's (blocked_fp32), read once
 
 
 class Linear(nn.Linear):
@@ -88,7 +88,7 @@ class Linear(nn.Linear):
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         if (M > SPLIT_COLUMNS or w.dtype != torch.float32 or x.dtype != w.dtype
                 or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()
-                or not blocked_fp32()):
+                or not blocked_fp32(self, x)):
             return F.linear(x, w, self.bias)
         n = split_blocks(N)
         if n == 1:
@@ -180,13 +180,15 @@ class Joint:
         return linear(self.layer, x) if self.placed() == self.views else None
 
 
-def blocked_fp32():
-    """Whether fp32 products of one to SPLIT_COLUMNS rows on CPU take Linear's blocked product: on
-    CPUs that are not Intel's. MKL's one-row product runs on one thread there (AMD EPYC, AVX2 and
-    AVX512: a third of the read bandwidth), and on Intel's it is threaded (Xeon with AVX512-BF16,
-    2 threads: 26-31 GB/s against the blocked product's 10-12, docs/performance.md round
-    thirteen), with the same bits at 1 and 2 threads on zero-mean probes of scaled magnitudes (its
-    threads split the outputs, not the sums). A function of the machine, never of a run."""
+def blocked_fp32(layer, x):
+    """Whether layer's fp32 product of one to SPLIT_COLUMNS rows (x) on CPU takes Linear's blocked
+    product: on CPUs that are not Intel's, and on Intel's where the library's one-row product is
+    not the same bits at every thread count. MKL's one-row product runs on one thread on AMD's
+    (AVX2 and AVX512: a third of the read bandwidth); on Intel's it is threaded (Xeon with
+    AVX512-BF16, 2 threads: 26-31 GB/s against the blocked product's 10-12, docs/performance.md
+    round thirteen), its threads splitting the outputs, not the sums, which zero-sum probes at 1,
+    2 and the current thread count check (_one_row_threads_agree), once per weight shape and
+    layout. A function of the machine and shapes, never of a run or of the thread count."""
     global _BLOCKED
     if _BLOCKED is None:
         try:
@@ -194,7 +196,40 @@ def blocked_fp32():
                 _BLOCKED = "GenuineIntel" not in f.read(4096)
         except OSError:
             _BLOCKED = True
-    return _BLOCKED
+    if _BLOCKED:
+        return True
+    w = layer.weight
+    key = ("fp32 one row", tuple(w.shape), w.stride(), w.data_ptr() % 64, _has_bias(layer),
+           x.stride()[-1])
+    if key not in _LONE:
+        _LONE[key] = not _one_row_threads_agree(layer)
+    return _LONE[key]
+
+
+def _one_row_threads_agree(layer):
+    """F.linear of one row gives the same bits at 1, 2 and the current thread count, on two
+    zero-sum probes (module docstring): the sums' order is the same at each."""
+    g = torch.Generator().manual_seed(0)
+    made = _probe_layer(layer, g)
+    if made is None:
+        return False
+    probe, pairs = made
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(2):
+            v = _magnitudes((1, pairs.shape[1]), g, -6, 7)
+            xp = torch.zeros(1, probe.weight.shape[1])                  # [1, K]
+            xp[0, pairs[0]] = v[0]
+            xp[0, pairs[1]] = v[0]
+            ys = []
+            for n in sorted({1, 2, threads}):
+                torch.set_num_threads(n)
+                ys.append(F.linear(xp, probe.weight, probe.bias))  # [1, N]
+            if not all(torch.equal(ys[0], y) for y in ys[1:]):
+                return False
+    finally:
+        torch.set_num_threads(threads)
+    return True
 
 
 def split_blocks(N):
@@ -343,6 +378,8 @@ def _probe_layer(layer, g):
     if not hasattr(layer, "out_features"):  # not a linear this module knows (tp.ShardedHead)
         return None
     N, K = layer.out_features, layer.in_features
+    if isinstance(layer, nn.Linear):
+        N, K = layer.weight.shape  # a weight replaced in place (tensor parallel) has its own
     pairs = torch.randperm(K - K % 2, generator=g).view(2, -1)      # [2, K/2]
     probe = copy.copy(layer)  # its own parameters and buffers, the rest shared
     probe._parameters = dict(layer._parameters)
