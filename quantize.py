@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from rowwise import concatenate
+from rowwise import concatenate, wide
 
 # what Transformer.from_pretrained(quantize=...) accepts; int4-gN: N input features per group
 QUANTIZE = (None, "int8", "int4-g32", "int4-g64", "int4-g128")
@@ -113,8 +113,10 @@ def int8_matmul(x, q, scales, kernel=None):
         y = _KERNEL(as_bf16(x2).contiguous(), q, as_bf16(scales))      # [M, N]
         y = y if y.dtype == x.dtype else y.to(x.dtype)
     else:
-        # [M, N]; the cast is exact, the scale is per column
-        y = F.linear(x2, q.to(x.dtype)) * scales.to(x.dtype)
+        # [M, N]; the cast is exact, the scale is per column; in fp32 where the CPU has no
+        # half-precision GEMM (rowwise.wide), rounded once
+        dtype = torch.float32 if wide(x2) else x.dtype
+        y = (F.linear(x2.to(dtype), q.to(dtype)) * scales.to(dtype)).to(x.dtype)
     return y.view(*x.shape[:-1], q.shape[0])                    # [..., N]
 
 
@@ -304,7 +306,8 @@ def int4_matmul(x, packed, scales_and_zeros, group_size, packing, kernel=None):
         y = y if y.dtype == x.dtype else y.to(x.dtype)                # [M, N]
     else:
         q = unpack_cpu_kernel(packed) if packing == "cpu" else unpack_int4(packed)  # [N, K]
-        y = F.linear(x2, dequantize_int4(q, scales_and_zeros, x.dtype))             # [M, N]
+        dtype = torch.float32 if wide(x2) else x.dtype          # rowwise.wide
+        y = F.linear(x2.to(dtype), dequantize_int4(q, scales_and_zeros, dtype)).to(x.dtype)
     return y.view(*x.shape[:-1], y.shape[-1])                       # [..., N]
 
 

@@ -65,11 +65,13 @@ import fewrows
 SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
 SPLIT_BLOCKS = 16
 SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
+WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
 _BLOCKED = None  # whether this CPU is not Intel's (blocked_fp32), read once
+_NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel here (wide)
 
 
 class Linear(nn.Linear):
@@ -86,6 +88,9 @@ class Linear(nn.Linear):
         if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
+        if w.dtype == x.dtype and wide(x):
+            b = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), w.float(), b).to(x.dtype)       # [..., N], rounded once
         if (M > SPLIT_COLUMNS or w.dtype != torch.float32 or x.dtype != w.dtype
                 or not w.is_cpu or not w.is_contiguous() or not x.is_contiguous()
                 or not blocked_fp32(self, x)):
@@ -108,6 +113,34 @@ class Linear(nn.Linear):
         joint = cls(layers[0].in_features, sum(l.out_features for l in layers),
                     bias=layers[0].bias is not None, device="meta")
         return concatenate(layers, joint, ("weight", "bias"))
+
+
+def wide(x):
+    """Whether a product of x [..., K] (WIDE_ROWS rows or more, half precision, on CPU) and a
+    weight is taken in fp32 (operands widened exactly, one rounding of the result): where oneDNN
+    has no kernel for that half precision on this CPU (AVX2 without AVX512-BF16), torch's own
+    half-precision GEMM computes 512 rows of 1536 x 576 in 89 ms against MKL's fp32 15 ms
+    (docs/performance.md, round fourteen). A function of the row count, dtype and machine: a
+    prefill chunk's product; a decode step's few rows keep the half-precision kernel, which reads
+    half the bytes, and rowwise.linear's probes see any row count that crosses over."""
+    if x.dtype not in _NATIVE or not x.is_cpu:
+        return False
+    if x.numel() < WIDE_ROWS * x.shape[-1]:
+        return False
+    if _NATIVE[x.dtype] is None:
+        _NATIVE[x.dtype] = _native_half(x.dtype)
+    return not _NATIVE[x.dtype]
+
+
+def _native_half(dtype):
+    """Whether oneDNN computes this half precision's products on this CPU."""
+    mkldnn = torch.ops.mkldnn
+    try:
+        if dtype == torch.bfloat16:
+            return bool(mkldnn._is_mkldnn_bf16_supported())
+        return bool(mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def concatenate(layers, joint, names, dim=0, share=True):

@@ -174,3 +174,62 @@ def test_fp32_one_row_path_either_way_is_thread_invariant_and_a_batch_keeps_its_
         assert torch.equal(one[i], two[i])
         assert torch.equal(both[i:i + 1], two[i])
         assert torch.allclose(one[i].double(), ref[i:i + 1], atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_prefill_product_in_half_precision_is_widened_only_where_the_cpu_lacks_the_kernel(
+        monkeypatch, native):
+    """rowwise.wide, forced either way whatever this machine is: on a CPU without oneDNN's
+    half-precision kernel a product of WIDE_ROWS rows or more (a prefill chunk's) is the fp32
+    product of the widened operands rounded once, within a rounding of a float64 reference, for
+    Linear, Int8Linear and Int4Linear; fewer rows (a decode step's) keep the half-precision
+    kernel; and rowwise.linear still gives each of WIDE_ROWS + 8 rows its lone bits (its probes
+    see the row count that crosses over)."""
+    import quantize
+    monkeypatch.setattr(rowwise, "_NATIVE", {torch.bfloat16: native, torch.float16: native})
+    monkeypatch.setattr(rowwise, "_DECIDED", {})
+    g = torch.Generator().manual_seed(4)
+    lin = Linear(256, 384, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(384, 256, generator=g))
+        lin.bias.copy_(torch.randn(384, generator=g))
+    lin.requires_grad_(False)
+    q8 = quantize.Int8Linear(256, 384)
+    q8.load_weight(torch.randn(384, 256, generator=g))
+    q4 = quantize.Int4Linear(256, 384, group_size=64)
+    q4.load_weight(torch.randn(384, 256, generator=g))
+    many = torch.randn(1, rowwise.WIDE_ROWS, 256, generator=g).bfloat16()  # [1, T, K]: prefill
+    few = many[:, :rowwise.WIDE_ROWS - 1].clone()
+    unpack = quantize.unpack_cpu_kernel if q4.packing == "cpu" else quantize.unpack_int4
+    q = unpack(q4.weight)                                                # [N, K] 0..15
+    weights = {lin: (lin.weight.double(), lin.bias.double()),
+               q8: (quantize.dequantize(q8.weight, q8.scales, torch.float64), 0),
+               q4: (quantize.dequantize_int4(q, q4.scales_and_zeros).double(), 0)}
+    for layer, (w, b) in weights.items():
+        y = layer(many)
+        assert y.dtype == torch.bfloat16 and y.shape == (1, rowwise.WIDE_ROWS, 384)
+        ref = many.double() @ w.t() + b                                  # [1, T, N] float64
+        if not native and layer is q8:  # widened: the int8 weight and its scales in fp32
+            wide = F.linear(many.float(), q8.weight.float()) * q8.scales.float()
+            assert torch.equal(y, wide.bfloat16())
+        if native or layer is not lin:
+            continue  # the half-precision kernel (or the scales' bf16 product): no single rounding
+        # one rounding to bf16 (half a unit in the last place: at most 2^-8 of the value) of an
+        # fp32 sum of K products (at most K * 2^-24 of the sum of their magnitudes)
+        acc = (many.double().abs() @ w.abs().t() + b.abs()) * 256 * 2 ** -24
+        bound = (ref.abs() + acc) * 2 ** -8 + acc
+        assert bool(((y.double() - ref).abs() <= bound).all())
+        assert torch.equal(y, F.linear(many.float(), lin.weight.float(), lin.bias.float())
+                           .bfloat16())
+    for layer in weights:
+        ref = many.double() @ weights[layer][0].t() + weights[layer][1]
+        rel = (layer(many).double() - ref).norm() / ref.norm()
+        assert rel < 2 ** -7, (type(layer).__name__, float(rel))
+    # a decode step's rows keep the half-precision kernel
+    assert torch.equal(lin(few), F.linear(few, lin.weight, lin.bias))
+    # rows of different tasks, more than WIDE_ROWS: each its lone bits
+    rows = torch.randn(rowwise.WIDE_ROWS + 8, 1, 256, generator=g).bfloat16()
+    for layer in weights:
+        both = linear(layer, rows)
+        for i in range(rows.shape[0]):
+            assert torch.equal(both[i:i + 1], layer(rows[i:i + 1].clone()))
