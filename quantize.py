@@ -18,9 +18,11 @@ The matmul, y = (x @ W_int8^T) * scales:
   and back.
 - CPU, many rows (prefill), CUDA, or no kernel: cast the int8 weight to the activation dtype and
   matmul, then scale the output. Exact in the cast (int8 values are exact in bf16/fp16), so it is
-  the reference the kernel is tested against. On CUDA this saves memory, not time: torch's CUDA
-  _weight_int8pack_mm is, in its source, a one-thread-per-output fp32 loop (unmeasured here); a
-  fused kernel would need torch.compile, not used here.
+  the reference the kernel is tested against. On a CPU without oneDNN's half-precision kernel
+  (AVX2), a prefill chunk's rows do it in fp32 and round once (rowwise.wide: 3x faster there).
+  On CUDA this saves memory, not time: torch's CUDA _weight_int8pack_mm is, in its source, a
+  one-thread-per-output fp32 loop (unmeasured here); a fused kernel would need torch.compile, not
+  used here.
 
 Weight-only int4 (quantize="int4-g32", -g64 or -g128: --quantize int4 --group-size N): every group
 of N consecutive input features of an output row keeps 16 levels between its own minimum and
@@ -33,7 +35,8 @@ weight, about a sixth of fp32).
 - CPU, a few rows: aten._weight_int4pack_mm_for_cpu, on weights packed once, while loading, by
   aten._convert_weight_to_int4pack_for_cpu (N a multiple of 16). Its packing is the only copy kept;
   the rows it interleaves are undone by unpack_cpu_kernel, checked on every tensor as it is packed.
-- CPU, many rows (prefill): unpack, dequantize to the activation dtype, matmul.
+- CPU, many rows (prefill): unpack, dequantize to the activation dtype (to fp32 where
+  rowwise.wide says so), matmul.
 - CUDA: aten._weight_int4pack_mm (tinygemm) for every row count, on weights packed by
   aten._convert_weight_to_int4pack (N a multiple of 8, K of 128). Written, not run here: the build
   machine has no GPU.

@@ -52,7 +52,9 @@ only, and the rows above keep that call as "alone". In half precision on a CPU w
 torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for
 2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
 row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
-rows rather than a product a row.
+rows rather than a product a row. On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows
+or more (a prefill chunk's) is taken in fp32 and rounded once (wide): torch's own half-precision
+GEMM is 6x slower than MKL's fp32 there; a decode step's rows keep the half-precision kernel.
 """
 import copy
 
