@@ -30,9 +30,12 @@ import torch
 # A decode step's few query rows per kv head read a group of chunks through few_rows, compiled by
 # inductor (C++), on CPU: torch's fused kernel is compute-bound at a few rows.
 FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 positions at R 3)
-KERNEL = "flash"  # --attention: "flash" (torch's fused kernels) or "compiled" (few_rows on CPU)
+# --attention: "flash" (torch's fused kernels), "compiled" (few_rows on CPU) or "auto" (compiled
+# where it is the faster of the two on this CPU and dtype: compiled_pays)
+KERNEL = "flash"
 _FEW = {}        # (q dtype, K dtype, kv heads, D) -> the compiled few_rows, or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
+_NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel (native_half)
 
 
 def few_rows(q, k, v):
@@ -52,12 +55,15 @@ def few_rows(q, k, v):
 
 def few_rows_kernel(q, k):
     """The compiled few_rows for a chunk visit of q [B, G, RT, D] over K of k's dtype, or None
-    where torch's fused kernel takes it: without --attention compiled, on CUDA, past FEW_ROWS rows
-    (a prefill chunk: its products are large enough for the fused kernel), or where inductor
-    cannot build it (no C++ compiler, an old torch). Decided once per (q dtype, K dtype) and kv
-    heads and head dim in a process, before the first visit, so a run never changes kernel
-    midway; a function of device, shapes and dtypes only, so placement-free."""
-    if KERNEL != "compiled" or not q.is_cpu or q.shape[2] > FEW_ROWS:
+    where torch's fused kernel takes it: with --attention flash (or auto, where compiled_pays
+    says no), on CUDA, past FEW_ROWS rows (a prefill chunk: its products are large enough for the
+    fused kernel), or where inductor cannot build it (no C++ compiler, an old torch). Decided once
+    per (q dtype, K dtype) and kv heads and head dim in a process, before the first visit, so a
+    run never changes kernel midway; a function of device, shapes, dtypes and the CPU only, so
+    placement-free."""
+    if KERNEL == "flash" or not q.is_cpu or q.shape[2] > FEW_ROWS:
+        return None
+    if KERNEL == "auto" and not compiled_pays(q.dtype):
         return None
     B, G, _, D = q.shape
     key = (q.dtype, k.dtype, B * G, D)
@@ -66,6 +72,35 @@ def few_rows_kernel(q, k):
         _FEW[key] = build_few_rows(q, k)
         BUILD_SECONDS[key] = time.perf_counter() - start
     return _FEW[key]
+
+
+def compiled_pays(dtype):
+    """Whether --attention auto takes the compiled kernel for queries of this dtype: always in fp32
+    (30 layers' groups at 6K from memory, an AVX2 EPYC: 35.8 ms against the fused kernel's 43.2;
+    34.6 against 74.2 with fp16 KV, which the fused kernel widens first), and in half precision
+    where oneDNN has this CPU's kernels for it (AVX512-BF16: bf16 8.1 ms against 18.3). On a CPU
+    without them (AVX2) torch's fused kernel reads bf16 faster than inductor's loops convert it
+    (30.9 ms against 41.8-50.9; a 6K step 100-109 ms against 117-129): there half-precision
+    queries (bf16 weights, and --quantize's bf16 activations) keep the fused kernel
+    (docs/performance.md, round fifteen). A function of dtype and machine, read once a process."""
+    return dtype == torch.float32 or native_half(dtype)
+
+
+def native_half(dtype):
+    """Whether oneDNN computes this half precision's products on this CPU (AVX512-BF16, AMX,
+    AVX512-FP16): read once a process. Where it does not (AVX2), torch's own half-precision loops
+    run instead: a prefill chunk's products are then taken in fp32 (rowwise.wide), and
+    --attention auto keeps half-precision queries on the fused kernel (compiled_pays)."""
+    if _NATIVE[dtype] is None:
+        mkldnn = torch.ops.mkldnn
+        try:
+            if dtype == torch.bfloat16:
+                _NATIVE[dtype] = bool(mkldnn._is_mkldnn_bf16_supported())
+            else:
+                _NATIVE[dtype] = bool(mkldnn._is_mkldnn_fp16_supported())
+        except (AttributeError, RuntimeError):
+            _NATIVE[dtype] = True
+    return _NATIVE[dtype]
 
 
 def call_few(fn, q, k, v):
@@ -81,7 +116,7 @@ def prepare(dtype, k_dtype, G, R, C, D):
     """Build the compiled kernel a decode step of one sequence will use (G kv heads of R query
     heads, chunks of C positions of head dim D, queries in `dtype`, K and V reaching attention in
     k_dtype), so that its build is not in the first step (kvcache.make_cache calls this)."""
-    if KERNEL != "compiled":  # nothing to build
+    if KERNEL == "flash":  # nothing to build
         return
     few_rows_kernel(torch.zeros(1, G, R, D, dtype=dtype), torch.zeros(2, 1, G, C, D, dtype=k_dtype))
 

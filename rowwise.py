@@ -73,7 +73,6 @@ _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lo
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
 _BLOCKED = None  # whether this CPU is not Intel's (blocked_fp32), read once
-_NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel here (wide)
 
 
 class Linear(nn.Linear):
@@ -125,24 +124,11 @@ def wide(x):
     (docs/performance.md, round fourteen). A function of the row count, dtype and machine: a
     prefill chunk's product; a decode step's few rows keep the half-precision kernel, which reads
     half the bytes, and rowwise.linear's probes see any row count that crosses over."""
-    if x.dtype not in _NATIVE or not x.is_cpu:
+    if x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cpu:
         return False
     if x.numel() < WIDE_ROWS * x.shape[-1]:
         return False
-    if _NATIVE[x.dtype] is None:
-        _NATIVE[x.dtype] = _native_half(x.dtype)
-    return not _NATIVE[x.dtype]
-
-
-def _native_half(dtype):
-    """Whether oneDNN computes this half precision's products on this CPU."""
-    mkldnn = torch.ops.mkldnn
-    try:
-        if dtype == torch.bfloat16:
-            return bool(mkldnn._is_mkldnn_bf16_supported())
-        return bool(mkldnn._is_mkldnn_fp16_supported())
-    except (AttributeError, RuntimeError):
-        return True
+    return not fewrows.native_half(x.dtype)
 
 
 def concatenate(layers, joint, names, dim=0, share=True):

@@ -100,13 +100,15 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "and kv head, about half of bf16's bytes in every tier and link; int4 = keys "
                    "per channel within a chunk, values per token, about a quarter (lossy; offload "
                    "stays bit-identical to --offload none with the same --kv-dtype)")
-    p.add_argument("--attention", choices=("flash", "compiled"), default="flash",
+    p.add_argument("--attention", choices=("flash", "compiled", "auto"), default="flash",
                    help="the kernel of a decode step's visits to sealed chunks on CPU: flash = "
                    "torch's fused kernel; compiled = one that inductor builds for a few query "
                    "rows (needs a C++ compiler; a few seconds to build as the cache is made, "
                    "cached in ~/.cache/kvoffload/inductor), decode 1.1x to 1.3x faster at 6K "
                    "positions and about as fast or faster at 1K (docs/performance.md, rounds ten "
-                   "and twelve). Either way every "
+                   "and twelve); auto = compiled where it is the faster here: fp32 queries, and "
+                   "bf16 ones on a CPU with AVX512-BF16 (on AVX2 the fused kernel reads bf16 "
+                   "faster, round fifteen). Either way every "
                    "--offload mode is bit-identical to the others (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "

@@ -320,6 +320,44 @@ def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_b
     assert torch.equal(wide[:, :, :, :RT], o_c)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_compiles_for_fp32_and_for_half_precision_where_the_cpu_has_its_kernels(native,
+                                                                                    monkeypatch):
+    """--attention auto: fp32 queries take the compiled kernel on every CPU, and bf16 or fp16 ones
+    only where oneDNN has that half precision's kernels (fewrows.native_half, both sides forced
+    here); elsewhere the fused kernel, with nothing built. What auto takes is the very build that
+    --attention compiled takes, so its bits are that kernel's."""
+    monkeypatch.setattr(fewrows, "_NATIVE", {torch.bfloat16: native, torch.float16: native})
+    monkeypatch.setattr(fewrows, "_FEW", {})
+    built = []
+
+    def build(q, k):
+        built.append((q.dtype, k.dtype))
+        return ("kernel", q.dtype, k.dtype)
+    monkeypatch.setattr(fewrows, "build_few_rows", build)
+    monkeypatch.setattr(fewrows, "KERNEL", "auto")
+    k = torch.zeros(2, 1, G, C, D, dtype=torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q = torch.zeros(1, G, R, D, dtype=dtype)
+        got = fewrows.few_rows_kernel(q, k)
+        assert fewrows.compiled_pays(dtype) == (dtype == torch.float32 or native)
+        if dtype == torch.float32 or native:
+            assert got == ("kernel", dtype, torch.bfloat16)
+            monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+            assert fewrows.few_rows_kernel(q, k) is got  # the same build, so the same bits
+            monkeypatch.setattr(fewrows, "KERNEL", "auto")
+        else:
+            assert got is None
+    assert len(built) == (3 if native else 1)  # built once each, never for the fused kernel's
+    # a cache's build, made up front (kvcache.make_cache): none for the fused kernel's queries
+    fewrows.prepare(torch.bfloat16, torch.float16, G, R, C, D)
+    assert len(built) == (4 if native else 1)
+    fewrows.prepare(torch.float32, torch.float32, G, R, C, D)
+    assert len(built) == (5 if native else 2)
+    # a prefill chunk's many rows stay with the fused kernel under auto too
+    assert fewrows.few_rows_kernel(torch.zeros(1, G, fewrows.FEW_ROWS + 1, D), k) is None
+
+
 def test_the_few_rows_kernel_is_skipped_on_request_and_where_it_cannot_be_built(monkeypatch,
                                                                                 capsys):
     """--attention flash (the default) never compiles, nor does a chunk visit of many rows; a

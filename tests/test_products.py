@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fewrows
 import rowwise
 from attention import Partials, attend_chunk
 from rowwise import SPLIT_COLUMNS, Joint, Linear, linear, split_blocks
@@ -186,7 +187,7 @@ def test_a_prefill_product_in_half_precision_is_widened_only_where_the_cpu_lacks
     kernel; and rowwise.linear still gives each of WIDE_ROWS + 8 rows its lone bits (its probes
     see the row count that crosses over)."""
     import quantize
-    monkeypatch.setattr(rowwise, "_NATIVE", {torch.bfloat16: native, torch.float16: native})
+    monkeypatch.setattr(fewrows, "_NATIVE", {torch.bfloat16: native, torch.float16: native})
     monkeypatch.setattr(rowwise, "_DECIDED", {})
     g = torch.Generator().manual_seed(4)
     lin = Linear(256, 384, bias=True).to(torch.bfloat16)

@@ -103,7 +103,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int,
                    help="default: OMP_NUM_THREADS, else as generate.py chooses (cores.py)")
     p.add_argument("--ops", type=int, default=12, help="rows of torch.profiler's table")
-    p.add_argument("--attention", default="flash", choices=("flash", "compiled"),
+    p.add_argument("--attention", default="flash", choices=("flash", "compiled", "auto"),
                    help="a decode step's chunk visits: torch's fused kernel or fewrows.py's")
     p.add_argument("--quantize", choices=[q for q in QUANTIZE if q],
                    help="weights quantized as they load (int8, or int4 with its group size)")
