@@ -15,6 +15,7 @@ required, as they are with --quantize and --select.
 import argparse
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import verify
@@ -65,12 +66,18 @@ def mode_config(mode, args):
 
 
 def run_as_task(model, ids, max_new, mode, args, kv_store=None, fingerprint=None, layout=None,
-                batcher=None, task=""):
-    """verify.run_mode's result, through task.run_task: a task directory, the KV store, a batch."""
+                batcher=None, task="", gate=None):
+    """verify.run_mode's result, through task.run_task: a task directory, the KV store, a batch
+    (gate: its Gate, told when this task has read its prompt, waited on after each decode
+    step)."""
     steps = []
 
     def on_step(phase, logits, cache):
         steps.append((cache.length - 1, phase, logits[0].cpu()))
+        if gate is not None and phase == "prefill" and cache.length >= len(ids):
+            gate.read_prompt(task)
+        elif gate is not None and phase == "decode":
+            gate.wait()
 
     offload, compress = MODE_SPECS[mode]
     new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size,
@@ -91,14 +98,50 @@ def batch_prompts(ids, n):
     return out
 
 
+def batch_new_tokens(max_new, i):
+    """Task i's new tokens in a batch proof (and in its lone run): 2 more than task i - 1's, so that
+    no two tasks leave the batch at the same step, whichever of them went a step ahead (Gate), and
+    the last steps run every row count from --batch down to 1."""
+    return max_new + 2 * i
+
+
+class Gate:
+    """Holds each task of a batch proof after its first decode step until every task has read its
+    prompt, so that the whole batch then steps together however fast a machine decodes: a task
+    that decodes while the others still read their prompts (their prefill steps run between its
+    decode steps, batcher.py) could otherwise finish before they join (a proof with no step of
+    --batch rows). While one task waits the others' prefill steps run; a task that fails counts as
+    having read its prompt, so no one waits for it."""
+
+    def __init__(self, n):
+        self.n = n
+        self.ready = set()
+        self.lock = threading.Lock()
+        self.open = threading.Event()
+
+    def read_prompt(self, task):
+        with self.lock:
+            self.ready.add(task)
+            if len(self.ready) == self.n:
+                self.open.set()
+
+    def wait(self):
+        self.open.wait()
+
+
 def run_batched(model, prompts, mode, args):
     """The prompts as one batch of tasks in flight, their decode steps shared (batcher.py): per task
-    what run_mode returns, and every row count a decode step ran with."""
+    what run_mode returns, and every row count a decode step ran with. Task i makes
+    batch_new_tokens(--max-new-tokens, i) tokens."""
     batcher = Batcher(model)
+    gate = Gate(len(prompts))
 
     def one(i):
-        return run_as_task(model, prompts[i], args.max_new_tokens, mode, args, batcher=batcher,
-                           task=f"_b{i}")
+        try:
+            return run_as_task(model, prompts[i], batch_new_tokens(args.max_new_tokens, i), mode,
+                               args, batcher=batcher, task=f"_b{i}", gate=gate)
+        finally:  # failed or finished: never waited for
+            gate.read_prompt(f"_b{i}")
     try:
         with ThreadPoolExecutor(len(prompts), initializer=one_thread_here) as pool:
             runs = list(pool.map(one, range(len(prompts))))
@@ -156,7 +199,8 @@ def build_parser():
     p.add_argument("--batch", type=int, metavar="N",
                    help="also run N prompts of different lengths as one batch of tasks in flight "
                    "(their decode steps shared) in every mode: each task must be bit-identical to "
-                   "itself run alone with --offload none")
+                   "itself run alone with --offload none, in decode steps of every size from N "
+                   "down to 1 (task i makes --max-new-tokens + 2i tokens)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     speculation.add_flags(p)  # also every mode with guesses checked, greedy and sampled
     return p
@@ -244,7 +288,8 @@ def run(args):
         batched = {}
         if args.batch:
             prompts = batch_prompts(ids, args.batch)
-            alone = [run_as_task(model, q, args.max_new_tokens, "none", args, task=f"_a{i}")
+            alone = [run_as_task(model, q, batch_new_tokens(args.max_new_tokens, i), "none", args,
+                                 task=f"_a{i}")
                      for i, q in enumerate(prompts)]
             for m in ["none"] + modes:
                 tasks, sizes = run_batched(model, prompts, m, args)

@@ -206,6 +206,31 @@ def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path,
         assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
 
 
+def test_verify_batch_steps_the_whole_batch_however_slowly_the_others_read_their_prompts(
+        text_ckpt, tmp_path, capsys, monkeypatch):
+    """Prefill steps made slow (as on a machine that decodes fast beside them): the shortest task
+    would make its few tokens before the longest has read its prompt, and no step of the whole
+    batch would run. proofs.Gate holds it, so steps of 3, 2 and 1 tasks all run and the proof
+    passes at a small --max-new-tokens; each task makes 2 tokens more than the one before."""
+    import json
+    import time
+
+    import runs.batcher as batcher_module
+    real = batcher_module.forward
+
+    def slow(model, cache, tokens):
+        time.sleep(0.15)
+        return real(model, cache, tokens)
+    monkeypatch.setattr(batcher_module, "forward", slow)
+    argv = [a if a != "24" else "3" for a in VERIFY]  # --max-new-tokens 3
+    rc = proofs.main(["--ckpt", text_ckpt, *argv, "--offload-dir", str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["ok"], report
+    for mode in ("none", "disk"):
+        assert report["batch"][mode]["tasks_per_step"] == [1, 2, 3], report["batch"]
+        assert report["batch"][mode]["identical_to_alone"] == [True] * 3
+
+
 def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_path, capsys,
                                                                  monkeypatch):
     """A linear whose rows feel the batch they are in (as an fp32 matmul would, unchecked): the
