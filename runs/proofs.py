@@ -68,15 +68,12 @@ def mode_config(mode, args):
 def run_as_task(model, ids, max_new, mode, args, kv_store=None, fingerprint=None, layout=None,
                 batcher=None, task="", gate=None):
     """verify.run_mode's result, through task.run_task: a task directory, the KV store, a batch
-    (gate: its Gate, told when this task has read its prompt, waited on after each decode
-    step)."""
+    (gate: its Gate, waited on after each decode step)."""
     steps = []
 
     def on_step(phase, logits, cache):
         steps.append((cache.length - 1, phase, logits[0].cpu()))
-        if gate is not None and phase == "prefill" and cache.length >= len(ids):
-            gate.read_prompt(task)
-        elif gate is not None and phase == "decode":
+        if gate is not None and phase == "decode":
             gate.wait()
 
     offload, compress = MODE_SPECS[mode]
@@ -106,42 +103,59 @@ def batch_new_tokens(max_new, i):
 
 
 class Gate:
-    """Holds each task of a batch proof after its first decode step until every task has read its
-    prompt, so that the whole batch then steps together however fast a machine decodes: a task
+    """Holds each task of a batch proof after its first decode step until every task has begun
+    to decode, so that the whole batch then steps together however fast a machine decodes: a task
     that decodes while the others still read their prompts (their prefill steps run between its
     decode steps, batcher.py) could otherwise finish before they join (a proof with no step of
-    --batch rows). While one task waits the others' prefill steps run; a task that fails counts as
-    having read its prompt, so no one waits for it."""
+    --batch rows). A task begins to decode when its first decode step reaches the batcher
+    (GatedBatcher), so it is one of the batcher's decoding tasks before the held ones step again.
+    While tasks are held the others' prefill steps run; a task that ends, finished or failed,
+    counts as begun, so no one waits for it. Tasks are told apart by their threads' `here.task`."""
 
     def __init__(self, n):
         self.n = n
-        self.ready = set()
+        self.begun = set()
         self.lock = threading.Lock()
         self.open = threading.Event()
+        self.here = threading.local()
 
-    def read_prompt(self, task):
+    def begin(self):
         with self.lock:
-            self.ready.add(task)
-            if len(self.ready) == self.n:
+            self.begun.add(self.here.task)
+            if len(self.begun) == self.n:
                 self.open.set()
 
     def wait(self):
         self.open.wait()
 
 
+class GatedBatcher(Batcher):
+    """A Batcher that tells its Gate when a task's decode step reaches it."""
+
+    def __init__(self, model, gate):
+        super().__init__(model)
+        self.gate = gate
+
+    def step(self, model, cache, tokens, decode=False):
+        if decode:
+            self.gate.begin()
+        return super().step(model, cache, tokens, decode)
+
+
 def run_batched(model, prompts, mode, args):
     """The prompts as one batch of tasks in flight, their decode steps shared (batcher.py): per task
     what run_mode returns, and every row count a decode step ran with. Task i makes
     batch_new_tokens(--max-new-tokens, i) tokens."""
-    batcher = Batcher(model)
     gate = Gate(len(prompts))
+    batcher = GatedBatcher(model, gate)
 
     def one(i):
+        gate.here.task = i
         try:
             return run_as_task(model, prompts[i], batch_new_tokens(args.max_new_tokens, i), mode,
                                args, batcher=batcher, task=f"_b{i}", gate=gate)
         finally:  # failed or finished: never waited for
-            gate.read_prompt(f"_b{i}")
+            gate.begin()
     try:
         with ThreadPoolExecutor(len(prompts), initializer=one_thread_here) as pool:
             runs = list(pool.map(one, range(len(prompts))))
