@@ -186,11 +186,13 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-def apply_rope(x, cos, sin):
-    # x [B, heads, T, D] with cos, sin [B or 1, 1, T, D], or x [B, T, heads, D] with [B or 1, T, 1,
-    # D]. Rotate the two halves of D (the layout HF checkpoints are stored in).
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x, cos, sin_rot):
+    # x [B, heads, T, D] with cos, sin_rot [B or 1, 1, T, D], or x [B, T, heads, D] with [B or 1,
+    # T, 1, D]. Rotate the two halves of D (the layout HF checkpoints are stored in): transformers'
+    # x * cos + cat(-x2, x1) * sin, as x * cos + cat(x2, x1) * sin_rot with sin_rot = cat(-sin1,
+    # sin2) (Transformer.rope): negation is exact, so the bits are the same, in 4 operations, not 7
+    # (a decode step's calls cost more than their bytes); positional arguments parse fastest
+    return torch.add(torch.mul(x, cos), torch.mul(torch.roll(x, x.shape[-1] // 2, -1), sin_rot))
 
 
 # -----------------------------------------------------------------------------
@@ -255,12 +257,13 @@ class Attention(nn.Module):
         if y is None:
             qkv = [linear(w, x) for w in (self.wq, self.wk, self.wv)]
             q, k, v = (p.reshape(B, T, -1, D).transpose(1, 2) for p in qkv)
+            cos, sin = cos.transpose(1, 2), sin.transpose(1, 2)  # [B or 1, 1, T, D]
             return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
         # q and k rotated by one call of each operation (a decode step's calls cost more than their
         # bytes); element by element, so the bits are those of two calls
         G = self.wk.out_features // D
         y = y.view(B, T, -1, D)                                    # [B, T, H + 2G, D]
-        qk = apply_rope(y[:, :, :-G], cos.transpose(1, 2), sin.transpose(1, 2))  # [B, T, H + G, D]
+        qk = apply_rope(y[:, :, :-G], cos, sin)                    # [B, T, H + G, D]
         return (qk[:, :, :-G].transpose(1, 2), qk[:, :, -G:].transpose(1, 2),
                 y[:, :, -G:].transpose(1, 2))
 
@@ -325,8 +328,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)           # [B, T, E]
         starts = (0,) if cache is None else cache.starts
         tables = [self.rope(start, T, x.dtype) for start in starts]
-        cos = torch.stack([t[0] for t in tables]).unsqueeze(1)  # [B or 1, 1, T, D]: a row's table
-        sin = torch.stack([t[1] for t in tables]).unsqueeze(1)
+        cos = torch.stack([t[0] for t in tables]).unsqueeze(2)  # [B or 1, T, 1, D]: a row's table
+        sin = torch.stack([t[1] for t in tables]).unsqueeze(2)  # sin_rot (apply_rope)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, cache)
         if last_only:
@@ -334,12 +337,15 @@ class Transformer(nn.Module):
         return linear(self.output, self.norm(x)).float()  # [B, T, V], fp32 for sampling
 
     def rope(self, start, T, dtype):
-        """(cos, sin) [T, D] for positions start..start+T-1, in fp32 as transformers, then dtype."""
+        """(cos, sin_rot) [T, D] for positions start..start+T-1, in fp32 as transformers, then
+        dtype; sin_rot is transformers' sin with its first half negated (apply_rope)."""
         pos = torch.arange(start, start + T, device=self.inv_freq.device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq)   # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)   # [T, D]
         a = self.attention_factor                 # YaRN's scale (else 1.0), in fp32 as transformers
-        return (emb.cos() * a).to(dtype), (emb.sin() * a).to(dtype)
+        sin = (emb.sin() * a).to(dtype)
+        half = sin.shape[-1] // 2
+        return (emb.cos() * a).to(dtype), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     @classmethod
     def from_pretrained(cls, ckpt_dir, device="cpu", dtype=torch.float32, rope_override=None,
