@@ -22,7 +22,11 @@ from fewrows import call_few, few_rows_kernel
 # attention (fp32), checked once per (device, dtype) against the matmul path below, which stays the
 # fallback. Which one runs depends on the device, dtype and torch version only, never on where a
 # chunk lives, so the choice cannot break bit-identity.
-FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# The kernel through its torch._ binding where torch has one: the same operator, its arguments
+# parsed by torch's fast parser (25 us a small call here against 39-59 through torch.ops.aten, which
+# resolves the overload on every call; two calls a layer in a decode step)
+FLASH_CPU = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None) or getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FUSED_CUDA = {}  # (device, dtype) -> whether the fused CUDA kernel agreed with the matmul path
 QUERY_ROWS = 4   # a sealed chunk's visit has at least this many query rows (attend_few)
 _WIDE = {}       # (K or V, its shape but the group's length, dtype, device) -> scratch (widened)
