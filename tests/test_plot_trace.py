@@ -1,7 +1,8 @@
 """
 tools/plot_trace.py on a small trace: a run's {"run_start"} event is skipped, a task keeps one
 colour in every panel, and the legends name each task and each quantity once. Skipped where
-matplotlib (an optional extra) is not installed.
+matplotlib is not installed (requirements-dev.txt installs it; the tool itself keeps it
+optional).
 """
 import importlib.util
 import json
