@@ -19,6 +19,12 @@ as a chunk's arithmetic). What guards would check is checked by construction ins
 per (q dtype, K dtype, kv heads, head dim), for any count of chunks, rows, positions of a chunk and
 stride between chunks; the generated code asserts every other size and stride it was built for,
 so a caller's mistake raises rather than computes.
+
+The few rows of a decode step meet the weights too: with --products compiled a linear of a few
+rows (few_rows_product) in half precision is built the same way, each output one dot product over
+the input features in fp32 in registers, rounded once. On this project's machines torch's own
+one-row half-precision product reads the weight at half the rate (docs/performance.md, round
+seventeen); fp32 keeps rowwise.Linear's blocked product, as fast as a build.
 """
 import math
 import os
@@ -36,6 +42,11 @@ KERNEL = "flash"
 _FEW = {}        # (q dtype, K dtype, kv heads, D) -> the compiled few_rows, or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
 _NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel (native_half)
+# --products: "library" (torch's products) or "compiled" (few_rows_product for a few rows of half
+# precision on CPU)
+PRODUCTS = "library"
+PRODUCT_ROWS = 16  # rows up to which a product takes it (a batch of 16 tasks, a verify step's rows)
+_PRODUCT = {}      # (dtype, with a bias) -> the compiled few_rows_product, or None
 
 
 def few_rows(q, k, v):
@@ -72,6 +83,43 @@ def few_rows_kernel(q, k):
         _FEW[key] = build_few_rows(q, k)
         BUILD_SECONDS[key] = time.perf_counter() - start
     return _FEW[key]
+
+
+def few_rows_product(x, w, b=None):
+    """x [M, K] times w [N, K] (and + b [N]) for a few rows in half precision: each output one dot
+    product over K in fp32, rounded once to x's dtype -> [M, N]. Eager, this materialises every
+    product (the tests' reference); compiled (product_kernel), every (row, output) is computed by
+    one thread in one order whatever the rows beside it, so a batch's rows and a verify step's
+    positions get the bits of their lone product with no probe needed (rowwise's still runs)."""
+    y = (w.float()[None, :, :] * x.float()[:, None, :]).sum(-1)           # [M, N] fp32
+    return (y if b is None else y + b.float()).to(x.dtype)
+
+
+def product_kernel(x, w, b=None):
+    """The compiled few_rows_product for x [..., K] times w [N, K] (bias b or None), or None where
+    torch's product takes it: with --products library, off CPU, in fp32, past PRODUCT_ROWS rows
+    (a prefill chunk's), for a weight or input that is not dense, or where inductor cannot build
+    it. Decided once per (dtype, bias) in a process: a function of shapes, dtypes and the flag,
+    never of where a chunk lives."""
+    if PRODUCTS != "compiled" or not w.is_cpu or w.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if x.dtype != w.dtype or x.numel() > PRODUCT_ROWS * w.shape[1] or not w.is_contiguous():
+        return None
+    key = (w.dtype, b is not None)
+    if key not in _PRODUCT:
+        start = time.perf_counter()
+        _PRODUCT[key] = build_product(w.dtype, b is not None)
+        BUILD_SECONDS[("product", *key)] = time.perf_counter() - start
+    return _PRODUCT[key]
+
+
+def call_product(fn, x, w, b=None):
+    """fn (the compiled few_rows_product) on x [..., K], w [N, K] -> [..., N]."""
+    K = w.shape[1]
+    x2 = x.reshape(-1, K)                                                  # [M, K]
+    x2 = x2 if x2.is_contiguous() else x2.contiguous()
+    y = fn(x2, w) if b is None else fn(x2, w, b)                           # [M, N]
+    return y.view(*x.shape[:-1], w.shape[0])
 
 
 def compiled_pays(dtype):
@@ -112,13 +160,67 @@ def call_few(fn, q, k, v):
     return fn(q, k, v)
 
 
-def prepare(dtype, k_dtype, G, R, C, D):
-    """Build the compiled kernel a decode step of one sequence will use (G kv heads of R query
+def prepare(dtype, k_dtype, G, R, C, D, bias=False):
+    """Build the compiled kernels a decode step of one sequence will use (G kv heads of R query
     heads, chunks of C positions of head dim D, queries in `dtype`, K and V reaching attention in
-    k_dtype), so that its build is not in the first step (kvcache.make_cache calls this)."""
+    k_dtype; products of `dtype`, some with a bias), so that no build is in the first step
+    (kvcache.make_cache calls this)."""
+    w = torch.zeros(2, 2, dtype=dtype)
+    product_kernel(w[:1], w)
+    if bias:
+        product_kernel(w[:1], w, w[0])
     if KERNEL == "flash":  # nothing to build
         return
     few_rows_kernel(torch.zeros(1, G, R, D, dtype=dtype), torch.zeros(2, 1, G, C, D, dtype=k_dtype))
+
+
+def compile_traced(fn, example):
+    """fn traced on `example` (a list of tensors) with every size symbolic, sizes that happen to
+    match kept apart, and compiled by inductor; its cache (its C++ and the graphs, reused by later
+    runs) in $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/kvoffload/inductor, mode 700."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        from private import make_private_dir
+        path = os.path.join(os.path.expanduser("~"), ".cache", "kvoffload", "inductor")
+        make_private_dir(path, "the compiled kernels' cache")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    import torch.fx.experimental._config as fx_config
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+    with torch.inference_mode():  # as generation runs
+        with fx_config.patch(use_duck_shape=False):
+            gm = make_fx(fn, tracing_mode="symbolic")(*example)
+        return compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def build_product(dtype, bias):
+    """few_rows_product compiled by inductor for `dtype` (with a bias or not), traced at [3, 5] x
+    [7, 5] so that rows, outputs and input features are symbolic (one build serves every linear
+    of a model and every row count), checked against its eager arithmetic on random inputs, or
+    None with one line on stderr saying why."""
+    g = torch.Generator().manual_seed(0)
+
+    def inputs(M, N, K):
+        x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((M, K), (N, K), (N,)))
+        return [x, w, b] if bias else [x, w]
+
+    why = None
+    try:
+        # traced with as many arguments as a call gives
+        fn = compile_traced(lambda *args: few_rows_product(*args), inputs(3, 7, 5))
+        agree = True
+        with torch.inference_mode():
+            for M, N, K in ((1, 1, 1), (1, 33, 576), (16, 96, 1536), (2, 9, 17)):
+                args = inputs(M, N, K)
+                agree &= torch.allclose(fn(*args).float(), few_rows_product(*args).float(),
+                                        rtol=2e-2, atol=1e-3 * K)
+        if agree:
+            return fn
+        why = "its output disagreed with its eager arithmetic"
+    except Exception as e:  # no compiler, an old torch, an inductor bug: torch's product stays
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    print(f"products: inductor did not build the few-row product ({why[:200]}); using torch's "
+          "(--products library)", file=sys.stderr)
+    return None
 
 
 def build_few_rows(q, k):
@@ -127,19 +229,9 @@ def build_few_rows(q, k):
     on stderr saying why. Traced with the count of chunks, the rows, the positions of a chunk and
     the stride between chunks symbolic (one build serves a lone chunk and a run, the open chunk's
     first positions, a decode step and a verify step's rows, a run in a tier's buffer or in the
-    arena), every other size as a step gives it. Inductor's cache (its C++ and the graphs, reused
-    by later runs) goes to $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/kvoffload/inductor, mode
-    700."""
+    arena), every other size as a step gives it (compile_traced)."""
     why = None
     try:
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            from private import make_private_dir
-            path = os.path.join(os.path.expanduser("~"), ".cache", "kvoffload", "inductor")
-            make_private_dir(path, "the compiled kernels' cache")
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-        import torch.fx.experimental._config as fx_config
-        from torch._inductor.compile_fx import compile_fx
-        from torch.fx.experimental.proxy_tensor import make_fx
         B, G, RT, D = q.shape
         M, C = B * G, k.shape[-2]
         g = torch.Generator().manual_seed(0)
@@ -151,12 +243,10 @@ def build_few_rows(q, k):
             q_in = (torch.randn(M, rows, D, generator=g) / math.sqrt(D)).to(q.dtype)
             return q_in, base[:, 0], base[:, 1]
 
-        with torch.inference_mode():  # as generation runs
-            # traced at sizes 2 and up where a call's may vary: a size of 1 would be built in
-            with fx_config.patch(use_duck_shape=False):  # sizes that happen to match stay apart
-                gm = make_fx(few_rows, tracing_mode="symbolic")(*inputs(3, RT + 2))
-            fn = compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
-            agree = True
+        # traced at sizes 2 and up where a call's may vary: a size of 1 would be built in
+        fn = compile_traced(few_rows, inputs(3, RT + 2))
+        agree = True
+        with torch.inference_mode():
             for n, rows, length in ((1, 1, 1), (1, RT, C // 2 + 1), (2, RT, C), (5, FEW_ROWS, C)):
                 q_in, k_in, v_in = inputs(n, rows, length)
                 o, lse = fn(q_in, k_in, v_in)

@@ -332,7 +332,8 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     if selection is None:
         selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
                                    model_args.n_layers, cfg.select_dense)
-    if emb.is_cpu:  # a decode step's attention kernel built now, before any step is timed
+    if emb.is_cpu:  # a decode step's compiled kernels built now, before any step is timed
         R = model_args.n_heads // model_args.n_kv_heads
-        prepare(emb.dtype, layout.attend_dtype, G, R, chunk_size, model_args.head_dim)
+        bias = getattr(model.layers[0].attention.wq, "bias", None) is not None  # Qwen2: q, k, v
+        prepare(emb.dtype, layout.attend_dtype, G, R, chunk_size, model_args.head_dim, bias)
     return KVCache(store, layout, model_args.layer_windows, selection)

@@ -80,10 +80,15 @@ class Linear(nn.Linear):
     the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
     only; and whose one-row product in half precision on CPU is that of two rows, the second zero,
     where the library's one-row path sums in another order than its path for more rows
-    (lone_row_padded): then one product serves a batch's or a verify step's rows."""
+    (lone_row_padded): then one product serves a batch's or a verify step's rows. With --products
+    compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is the compiled
+    fewrows.few_rows_product instead, each row's bits its own by construction."""
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
+        few = fewrows.product_kernel(x, w, self.bias)  # --products compiled: a few half rows
+        if few is not None:
+            return fewrows.call_product(few, x, w, self.bias)     # [..., N]
         N, K = w.shape
         M = x.numel() // K                                         # rows
         if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
@@ -331,7 +336,7 @@ def one_product(layer, x):
     kind of layer, its weight's shape and layout, x's shape, layout, dtype and device, and the
     thread count: decided once, on probes (module docstring)."""
     w = layer.weight
-    key = ("linear", type(layer), getattr(layer, "packing", None),
+    key = ("linear", type(layer), fewrows.PRODUCTS, getattr(layer, "packing", None),
            getattr(layer, "group_size", None), tuple(w.shape), w.stride(), w.dtype,
            w.data_ptr() % 64, _has_bias(layer), tuple(x.shape), x.stride(), x.dtype, x.device,
            torch.get_num_threads())

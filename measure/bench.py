@@ -260,7 +260,7 @@ def run_fresh(args, mode, ctx, new):
     # every flag that shapes a run: the child must run what this process would have run
     keep = ("ckpt", "device", "dtype", "quantize", "group_size", "kv_dtype", "chunk_size", "window",
             "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
-            "rope_orig_ctx", "contexts", "new_tokens", "threads", "attention")
+            "rope_orig_ctx", "contexts", "new_tokens", "threads", "attention", "products")
     flags = []
     for k in keep:
         if getattr(args, k) is not None:

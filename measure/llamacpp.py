@@ -198,7 +198,8 @@ def compare(args, contexts, modes, run_fresh, machine, config):
                                        "model_type", "type_k", "type_v", "flash_attn",
                                        "n_batch", "n_ubatch")}
     print(f"{args.ckpt} {config['model']}, ours {args.dtype} (--quantize {args.quantize}, "
-          f"--kv-dtype {args.kv_dtype}, --attention {args.attention}, chunk {args.chunk_size}) / "
+          f"--kv-dtype {args.kv_dtype}, --attention {args.attention}, --products {args.products}, "
+          f"chunk {args.chunk_size}) / "
           "llama.cpp "
           f"{build['model_type']} (build {build['build_commit']}, KV {build['type_k']}), "
           f"{args.threads} threads each, {args.new_tokens - 1} decode "

@@ -148,8 +148,10 @@ class Chat:
                                f"{self.path}) or give another --session")
         # the settings a person gives first, the fingerprint (which covers some of them) last
         for key, flag in FLAG_OF.items():
-            if m.get(key) != self.settings[key]:
-                what = (f"{flag} {m.get(key)} (this run: {self.settings[key]})" if flag else
+            if m.get(key) != self.settings.get(key):
+                was, now = (v if v is not None else "as the default" for v in
+                            (m.get(key), self.settings.get(key)))
+                what = (f"{flag} {was} (this run: {now})" if flag else
                         "other weights (or another --rope-scaling, --quantize or --kv-dtype)")
                 raise SessionError(f"--session {self.path} was made with {what}; resume it with "
                                    "what it was made with, or give another --session")
@@ -401,7 +403,8 @@ class Chat:
 
 # the settings the KV's bits depend on -> the flag that sets each (the fingerprint: the weights)
 FLAG_OF = {"dtype": "--dtype", "chunk_size": "--chunk-size", "kv_dtype": "--kv-dtype",
-           "device": "--device", "select": "--select", "fingerprint": None}
+           "device": "--device", "select": "--select", "attention": "--attention",
+           "products": "--products", "fingerprint": None}
 MANIFEST_NAME = "session.json"
 
 

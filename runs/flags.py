@@ -110,6 +110,14 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "bf16 ones on a CPU with AVX512-BF16 (on AVX2 the fused kernel reads bf16 "
                    "faster, round fifteen). Either way every "
                    "--offload mode is bit-identical to the others (default %(default)s)")
+    p.add_argument("--products", choices=("library", "compiled"), default="library",
+                   help="the linears of a decode step's few rows (up to 16) in bf16 or fp16 on "
+                   "CPU: library = torch's products; compiled = one that inductor builds, each "
+                   "output a dot product in fp32 (needs a C++ compiler; a few seconds as the "
+                   "cache is made, cached like --attention compiled): one sequence's decode "
+                   "reads the weights about 1.5x faster, a batch of 16 tasks runs slower "
+                   "(docs/performance.md, round seventeen); fp32 keeps torch's. Every --offload "
+                   "mode and batch stays bit-identical (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "
                    "this process may use that other processes do not keep busy while the model "
@@ -157,6 +165,7 @@ def check_common(args, needs_disk):
     if args.quantize == "int4" and args.group_size is None:
         args.group_size = INT4_DEFAULT_GROUP_SIZE
     fewrows.KERNEL = args.attention  # decided before any forward pass, kept for the run
+    fewrows.PRODUCTS = args.products
     checks = [
         (args.chunk_size is None or args.chunk_size > 0,
          f"--chunk-size must be a positive number of positions, got {args.chunk_size}"),
@@ -312,12 +321,18 @@ def quantize_mode(args):
 
 def run_fingerprint(ckpt, args):
     """Everything that shapes a task's KV besides the tokens: the weights' contents, the RoPE
-    override, the quantization and the KV dtype (the dtype, chunk size and device are in the task
-    itself): resume and the KV store never mix runs that differ in any of them."""
+    override, the quantization, the KV dtype and the decode kernels (the dtype, chunk size and
+    device are in the task itself): resume and the KV store never mix runs that differ in any of
+    them."""
     kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
+    # the kernels of a decode step's few rows shape the KV of the positions they write
+    attention = getattr(args, "attention", "flash")
+    attention = None if attention == "flash" else attention
+    products = getattr(args, "products", "library")
+    products = None if products == "library" else products
     return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype,
                                    rope=rope_override(args), quantize=quantize_mode(args),
-                                   kv_dtype=kv_dtype)
+                                   kv_dtype=kv_dtype, attention=attention, products=products)
 
 
 def check_shapes(args, model_args):

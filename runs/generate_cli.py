@@ -80,7 +80,7 @@ HELP_GROUPS = {
     "model and text": ("ckpt", "prompt", "prompt_file", "chat", "system", "dtype", "quantize",
                        "group_size", "rope_scaling", "rope_factor", "rope_orig_ctx"),
     "generation": ("max_new_tokens", "max_length", "temperature", "top_k", "top_p", "seed",
-                   "device", "threads", "attention"),
+                   "device", "threads", "attention", "products"),
     "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "group_buffers", "kv_store", "kv_store_budget",

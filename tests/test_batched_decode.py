@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import disk
+import fewrows
 import model as model_module
 import rowwise
 from generate import decode_batch, decode_one_token, prefill
@@ -204,6 +205,33 @@ def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path,
     assert rc == 0, out
     for mode in ("none", "disk"):
         assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
+
+
+@pytest.mark.parametrize("extra", [["--batch", "3"], ["--speculate", "lookup:3"]],
+                         ids=["batch", "speculate"])
+def test_verify_proves_compiled_products_in_every_mode(text_ckpt, tmp_path, capsys, monkeypatch,
+                                                       extra):
+    """--products compiled (bf16): every mode, a batch's tasks and a speculative run's verify
+    steps bit-identical, the products really compiled ones."""
+    monkeypatch.setattr(fewrows, "PRODUCTS", "library")  # restored after: the run sets it
+    if fewrows.build_product(torch.bfloat16, False) is None:
+        pytest.skip("inductor cannot build the product here")
+    calls = []
+    call = fewrows.call_product
+    monkeypatch.setattr(fewrows, "call_product",  # (fn, x, w, b): the rows x brings
+                        lambda *a: calls.append(a[1].numel() // a[1].shape[-1]) or call(*a))
+    flags = [a for a in VERIFY if a not in ("--batch", "3")]
+    rc = proofs.main(["--ckpt", text_ckpt, *flags, *extra, "--dtype", "bf16", "--products",
+                      "compiled", "--modes", "cpu,disk", "--offload-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "DIFFERENT" not in out, out
+    assert calls and fewrows.PRODUCTS == "compiled"
+    if extra[0] == "--batch":
+        for mode in ("none", "cpu", "disk"):
+            assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
+        assert any(rows > 1 for rows in calls)   # a batch's rows in one compiled product
+    else:
+        assert "none+spec " in out and "disk+spec " in out, out
 
 
 def test_verify_batch_steps_the_whole_batch_however_slowly_the_others_read_their_prompts(

@@ -272,6 +272,8 @@ def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path):
     for argv, needle in [
         (session_argv(chat_ckpt, s) + ["--chunk-size", "16"], "--chunk-size 32 (this run: 16)"),
         (session_argv(chat_ckpt, s) + ["--dtype", "bf16"], "--dtype fp32 (this run: bf16)"),
+        (session_argv(chat_ckpt, s) + ["--products", "compiled"],
+         "--products as the default (this run: compiled)"),
         (session_argv(str(other), s), "other weights"),
         (session_argv(chat_ckpt, s) + ["--document", os.path.join(other, "config.json")],
          "drop --document"),

@@ -37,7 +37,7 @@ from quantize import (
     unpack_int4,
     weight_bytes,
 )
-from runs import flags, generate_cli
+from runs import flags, generate_cli, taskdir
 from runs.task import run_task
 from test_offload import MODES, assert_identical, assert_tiers_used, prompt
 
@@ -458,6 +458,20 @@ def test_fingerprint_changes_with_int4_and_its_group_size(llama_ckpt):
     assert len(set(fps)) == len(runs), "resume and the KV store must never mix these runs"
     assert fingerprint(llama_ckpt, "--quantize", "int4") == fingerprint(
         llama_ckpt, "--quantize", "int4", "--group-size", "32"), "32 is the default"
+
+
+def test_fingerprint_changes_with_the_decode_kernels_and_keeps_the_defaults(llama_ckpt,
+                                                                            monkeypatch):
+    """The kernels of a decode step's few rows shape the KV of what it writes: resume and the KV
+    store never mix --attention or --products; their defaults keep the fingerprints of before."""
+    import fewrows
+    monkeypatch.setattr(fewrows, "KERNEL", fewrows.KERNEL)      # restored after: the runs set them
+    monkeypatch.setattr(fewrows, "PRODUCTS", fewrows.PRODUCTS)
+    runs = [(), ("--attention", "compiled"), ("--attention", "auto"), ("--products", "compiled")]
+    fps = [fingerprint(llama_ckpt, *r) for r in runs]
+    assert len(set(fps)) == len(runs)
+    assert fps[0] == fingerprint(llama_ckpt, "--attention", "flash", "--products", "library")
+    assert fps[0] == taskdir.run_fingerprint(taskdir.model_fingerprint(llama_ckpt), dtype="fp32")
 
 
 def test_generate_int4_weights_and_kv(text_ckpt, tmp_path, capsys):

@@ -234,3 +234,50 @@ def test_a_prefill_product_in_half_precision_is_widened_only_where_the_cpu_lacks
         both = linear(layer, rows)
         for i in range(rows.shape[0]):
             assert torch.equal(both[i:i + 1], layer(rows[i:i + 1].clone()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_compiled_few_row_products_are_the_product_and_give_each_row_its_lone_bits(
+        dtype, bias, monkeypatch):
+    """--products compiled: fewrows.few_rows_product is the product (a float64 reference), eager
+    and compiled; compiled, every row of up to PRODUCT_ROWS gets the bits of its own call whatever
+    the rows beside it (a batch's tasks, a verify step's positions), so rowwise.linear takes a
+    batch as one product; a prefill chunk's rows, fp32 and --products library keep torch's."""
+    monkeypatch.setattr(fewrows, "PRODUCTS", "compiled")
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(576, 1536, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1536, 576, generator=g) / 8)
+        if bias:
+            lin.bias.copy_(torch.randn(1536, generator=g))
+    lin = lin.to(dtype)
+    rows = fewrows.PRODUCT_ROWS
+    x = (torch.randn(rows, 1, 576, generator=g) * torch.rand(rows, 1, 1, generator=g) * 4).to(dtype)
+    ref = x.double() @ lin.weight.double().t()                                 # [rows, 1, 1536]
+    if bias:
+        ref = ref + lin.bias.double()
+    scale = ref.abs().max().item()
+    eager = fewrows.few_rows_product(x.view(rows, 576), lin.weight, lin.bias)  # [rows, 1536]
+    assert torch.allclose(eager.double(), ref.view(rows, 1536), rtol=1e-2, atol=1e-2 * scale)
+    if fewrows.product_kernel(x, lin.weight, lin.bias) is None:
+        pytest.skip("inductor cannot build the product here: torch's product runs")
+    calls = []
+    call = fewrows.call_product
+    monkeypatch.setattr(fewrows, "call_product", lambda *a: calls.append(1) or call(*a))
+    y = lin(x)                                                                 # [rows, 1, 1536]
+    assert calls and y.dtype == dtype
+    assert torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2 * scale)
+    for i in range(rows):
+        assert torch.equal(lin(x[i:i + 1].clone()), y[i:i + 1]), i
+    for block in (slice(0, 3), slice(5, 12), slice(1, 2)):
+        assert torch.equal(lin(x[block].clone()), y[block]), block
+    assert torch.equal(lin(x.view(1, rows, 576)).view(rows, 1, 1536), y)  # positions as rows
+    assert rowwise.one_product(lin, x) and torch.equal(linear(lin, x), y)
+    # torch's product where the compiled one does not apply
+    prefill = torch.randn(1, rows + 1, 576, generator=g).to(dtype)
+    assert fewrows.product_kernel(prefill, lin.weight) is None
+    assert fewrows.product_kernel(x.float(), lin.weight.float()) is None
+    assert fewrows.product_kernel(x, lin.weight.t().contiguous().t()) is None  # not dense
+    monkeypatch.setattr(fewrows, "PRODUCTS", "library")
+    assert fewrows.product_kernel(x, lin.weight, lin.bias) is None

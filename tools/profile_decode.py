@@ -105,6 +105,8 @@ def main(argv=None):
     p.add_argument("--ops", type=int, default=12, help="rows of torch.profiler's table")
     p.add_argument("--attention", default="flash", choices=("flash", "compiled", "auto"),
                    help="a decode step's chunk visits: torch's fused kernel or fewrows.py's")
+    p.add_argument("--products", default="library", choices=("library", "compiled"),
+                   help="a decode step's half-precision linears: torch's or fewrows.py's")
     p.add_argument("--quantize", choices=[q for q in QUANTIZE if q],
                    help="weights quantized as they load (int8, or int4 with its group size)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
@@ -123,6 +125,7 @@ def main(argv=None):
         cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=tmp + "/kv")
         total = args.context + args.steps + 8
         fewrows.KERNEL = args.attention
+        fewrows.PRODUCTS = args.products
         cache = make_cache(model, cfg, args.chunk_size, total, kv_dtype=args.kv_dtype)
         ids = torch.randint(3, model.args.vocab_size, (1, args.context),
                             generator=torch.Generator().manual_seed(0))
