@@ -5,7 +5,8 @@ then the median and the fastest of 8 (issue 33: before and after, interleaved).
 
     python tools/decode_steps.py TREE fp32|bf16 1024,2048,6144 THREADS [none|int8|int4 [KV_DTYPE]]
 
-$ATTENTION=compiled runs the tree with --attention compiled (its build before the steps, timed).
+$ATTENTION=compiled runs the tree with --attention compiled (its build before the steps, timed),
+$PRODUCTS=compiled with --products compiled (a tree that has it).
 The checkpoint is $CKPT (a Hugging Face directory: `python -m measure.random_model smollm2-135m
 DIR --dtype fp32` makes the one docs/performance.md measures).
 """
@@ -27,9 +28,11 @@ from model import Transformer  # noqa: E402
 
 torch.set_num_threads(threads)
 kernel = os.environ.get("ATTENTION", "flash")
-if kernel != "flash":
+products = os.environ.get("PRODUCTS", "library")
+if kernel != "flash" or products != "library":
     import fewrows  # noqa: E402
     fewrows.KERNEL = kernel
+    fewrows.PRODUCTS = products
 CKPT = os.environ.get("CKPT")
 if not CKPT:
     sys.exit("tools/decode_steps.py: set CKPT to a checkpoint directory (see the docstring)")
@@ -52,5 +55,6 @@ fewrows = sys.modules.get("fewrows")
 build_s = sum(getattr(fewrows, "BUILD_SECONDS", {}).values())  # the compiled kernel's build
 print(json.dumps({"tree": tree, "build_s": round(build_s, 2), "dtype": dtype,
                   "quantize": quantize, "kv_dtype": kv_dtype, "attention": kernel,
+                  "products": products,
                   "threads": threads,
                   "steps": out}))
