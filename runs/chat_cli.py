@@ -27,6 +27,7 @@ from runs.flags import (
     add_common_flags,
     check_common,
     check_shapes,
+    decode_kernels,
     one_line_errors,
     open_kv_store,
     quantize_mode,
@@ -233,9 +234,7 @@ def setup(args):
                                                           args.select_dense, args.window]}
         if args.select == "all":
             settings["select"] = None
-        # the decode kernels, held only where not the default (sessions saved before kept them)
-        settings["attention"] = None if args.attention == "flash" else args.attention
-        settings["products"] = None if args.products == "library" else args.products
+        settings.update(decode_kernels(args))
         cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                             compress=args.compress, staging_slots=args.staging_slots,
                             group_buffers=args.group_buffers,

@@ -325,14 +325,17 @@ def run_fingerprint(ckpt, args):
     device are in the task itself): resume and the KV store never mix runs that differ in any of
     them."""
     kv_dtype = None if args.kv_dtype == "auto" else args.kv_dtype
-    # the kernels of a decode step's few rows shape the KV of the positions they write
-    attention = getattr(args, "attention", "flash")
-    attention = None if attention == "flash" else attention
-    products = getattr(args, "products", "library")
-    products = None if products == "library" else products
     return taskdir.run_fingerprint(model_fingerprint(ckpt), dtype=args.dtype,
                                    rope=rope_override(args), quantize=quantize_mode(args),
-                                   kv_dtype=kv_dtype, attention=attention, products=products)
+                                   kv_dtype=kv_dtype, **decode_kernels(args))
+
+
+def decode_kernels(args):
+    """The kernels of a decode step's few rows, which shape the KV of the positions they write:
+    {"attention": ..., "products": ...}, None where the default (so fingerprints and saved sessions
+    from before these flags still match)."""
+    return {"attention": None if args.attention == "flash" else args.attention,
+            "products": None if args.products == "library" else args.products}
 
 
 def check_shapes(args, model_args):
