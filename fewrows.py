@@ -16,9 +16,9 @@ by inductor (compile_fx), a few seconds (made as the cache is made, kvcache.make
 cached by inductor for later runs). A call is then the generated code itself: no guards to
 evaluate, no cache of builds to look up (dynamo's cost a call was 100-200 us on a slow CPU, as much
 as a chunk's arithmetic). What guards would check is checked by construction instead: one build
-per (q dtype, K dtype, kv heads, head dim), for any count of chunks, rows, positions of a chunk and
-stride between chunks; the generated code asserts every other size and stride it was built for,
-so a caller's mistake raises rather than computes.
+per (K dtype, kv heads, head dim), the queries in fp32, for any count of chunks, rows, positions of
+a chunk and stride between chunks and heads; the generated code asserts every other size and stride
+it was built for, so a caller's mistake raises rather than computes.
 
 The few rows of a decode step meet the weights too: with --products compiled a linear of a few
 rows (few_rows_product) in half precision is built the same way, each output one dot product over
@@ -39,7 +39,7 @@ FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 p
 # --attention: "flash" (torch's fused kernels), "compiled" (few_rows on CPU) or "auto" (compiled
 # where it is the faster of the two on this CPU and dtype: compiled_pays)
 KERNEL = "flash"
-_FEW = {}        # (q dtype, K dtype, kv heads, D) -> the compiled few_rows, or None
+_FEW = {}        # (K dtype, kv heads, D) -> the compiled few_rows (fp32 queries), or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
 _NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel (native_half)
 # --products: "library" (torch's products) or "compiled" (few_rows_product for a few rows of half
@@ -69,15 +69,15 @@ def few_rows_kernel(q, k):
     where torch's fused kernel takes it: with --attention flash (or auto, where compiled_pays
     says no), on CUDA, past FEW_ROWS rows (a prefill chunk: its products are large enough for the
     fused kernel), or where inductor cannot build it (no C++ compiler, an old torch). Decided once
-    per (q dtype, K dtype) and kv heads and head dim in a process, before the first visit, so a
-    run never changes kernel midway; a function of device, shapes, dtypes and the CPU only, so
-    placement-free."""
+    per (K dtype, kv heads, head dim) in a process (the queries in fp32), before the first visit,
+    so a run never changes kernel midway; a function of device, shapes, dtypes and the CPU only,
+    so placement-free."""
     if KERNEL == "flash" or not q.is_cpu or q.shape[2] > FEW_ROWS:
         return None
     if KERNEL == "auto" and not compiled_pays(q.dtype):
         return None
     B, G, _, D = q.shape
-    key = (q.dtype, k.dtype, B * G, D)
+    key = (k.dtype, B * G, D)  # the queries reach it in fp32 whatever their dtype (call_few)
     if key not in _FEW:
         start = time.perf_counter()
         _FEW[key] = build_few_rows(q, k)
@@ -152,11 +152,17 @@ def native_half(dtype):
 
 
 def call_few(fn, q, k, v):
-    """fn (the compiled few_rows) on q [M, RT, D], k, v [n, M, C, D]: the layout it was built for
-    is q contiguous and each chunk of k and v dense (any stride between chunks), which every tier's
-    runs are; anything else is copied into it first (the generated code would refuse it)."""
+    """fn (the compiled few_rows) on q [M, RT, D], k, v [n, M, L, D]. The queries are widened to
+    fp32 first (few_rows' first operation, so the same values; in the kernel each K row was widened
+    again for each of them: 14% of a bf16 layer's attention at 6K, docs/performance.md round
+    eighteen). K and V are taken as they are wherever a position's D values are dense: any stride
+    between chunks and between heads, so the open chunk's first L positions (a view of its C) are
+    read in place, as every tier's runs are; anything else is copied first (the generated code
+    would refuse it)."""
+    q = q.float() if q.dtype != torch.float32 else q
     q = q if q.is_contiguous() else q.contiguous()
-    k, v = (t if t[0].is_contiguous() else t.contiguous() for t in (k, v))
+    k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+            for t in (k, v))
     return fn(q, k, v)
 
 
@@ -224,31 +230,35 @@ def build_product(dtype, bias):
 
 
 def build_few_rows(q, k):
-    """few_rows compiled by inductor for q's and k's dtypes and a chunk's shape (q [B, G, RT, D], k
-    [n, B, G, C, D]), checked against its eager arithmetic on random inputs, or None with one line
-    on stderr saying why. Traced with the count of chunks, the rows, the positions of a chunk and
-    the stride between chunks symbolic (one build serves a lone chunk and a run, the open chunk's
-    first positions, a decode step and a verify step's rows, a run in a tier's buffer or in the
-    arena), every other size as a step gives it (compile_traced)."""
+    """few_rows compiled by inductor for fp32 queries and k's dtype and a chunk's shape (q [B, G,
+    RT, D], k [n, B, G, C, D]), checked against its eager arithmetic on random inputs, or None with
+    one line on stderr saying why. Traced with the count of chunks, the rows, the positions of a
+    chunk and the strides between chunks and between heads symbolic (one build serves a lone chunk
+    and a run, the open chunk's first positions in place, a decode step and a verify step's rows, a
+    run in a tier's buffer or in the arena), every other size as a step gives it
+    (compile_traced)."""
     why = None
     try:
         B, G, RT, D = q.shape
         M, C = B * G, k.shape[-2]
         g = torch.Generator().manual_seed(0)
 
-        def inputs(n, rows, length=C):
-            """q [M, rows, D] and a run of n chunks' K and V as a store holds them: a chunk's K
-            then its V, [n, 2, M, length, D] viewed as k, v [n, M, length, D]."""
-            base = torch.randn(n, 2, M, length, D, generator=g).to(k.dtype)
-            q_in = (torch.randn(M, rows, D, generator=g) / math.sqrt(D)).to(q.dtype)
+        def inputs(n, rows, length=C, held=C):
+            """q [M, rows, D] (fp32: call_few widens it) and a run of n chunks' K and V as a store
+            holds them, a chunk's K then its V, [n, 2, M, held, D], of which the first `length`
+            positions are viewed as k, v [n, M, length, D] (the open chunk's: held > length)."""
+            base = torch.randn(n, 2, M, held, D, generator=g).to(k.dtype)[:, :, :, :length]
+            q_in = (torch.randn(M, rows, D, generator=g) / math.sqrt(D)).to(q.dtype).float()
             return q_in, base[:, 0], base[:, 1]
 
-        # traced at sizes 2 and up where a call's may vary: a size of 1 would be built in
-        fn = compile_traced(few_rows, inputs(3, RT + 2))
+        # traced at sizes 2 and up where a call's may vary (a size of 1 would be built in), and
+        # with a stride between heads that is not its positions' (so any is taken)
+        fn = compile_traced(few_rows, inputs(3, RT + 2, C, C + 5))
         agree = True
         with torch.inference_mode():
-            for n, rows, length in ((1, 1, 1), (1, RT, C // 2 + 1), (2, RT, C), (5, FEW_ROWS, C)):
-                q_in, k_in, v_in = inputs(n, rows, length)
+            for n, rows, length, held in ((1, 1, 1, 1), (1, RT, C // 2 + 1, C), (2, RT, C, C),
+                                          (5, FEW_ROWS, C, C), (1, RT, 3, C)):
+                q_in, k_in, v_in = inputs(n, rows, length, held)
                 o, lse = fn(q_in, k_in, v_in)
                 o_ref, lse_ref = few_rows(q_in, k_in, v_in)
                 agree &= torch.allclose(o, o_ref, atol=1e-4) and torch.allclose(lse, lse_ref,

@@ -320,20 +320,57 @@ def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_b
     assert torch.equal(wide[:, :, :, :RT], o_c)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_open_chunks_first_positions_are_read_in_place_with_a_copys_bits(dtype, monkeypatch):
+    """The open chunk's first L positions are a view of its C (a stride between heads of C*D, not
+    L*D): the compiled kernel takes them as they are, no copy (the copy cost a decode step more
+    than the kernel did, docs/performance.md round eighteen), and gives the bits that a dense copy
+    of the same positions gets, so a tier that copies a chunk and one that does not agree. A view
+    whose positions are not dense is still copied, never computed wrongly."""
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(1, G, R, D, generator=g) / math.sqrt(D)).to(dtype)  # [B, G, R, D]
+    kv = torch.randn(1, 2, 1, G, C, D, generator=g).to(dtype)         # the open chunk, as held
+    seen = []
+
+    def spy(q_in, k_in, v_in):
+        seen.append((q_in.dtype, k_in.data_ptr(), v_in.data_ptr()))
+        return fewrows.few_rows(q_in, k_in, v_in)
+    for L in (1, C // 2 + 3, C):
+        k, v = kv[:, 0, :, :, :L], kv[:, 1, :, :, :L]                  # [1, B, G, L, D] views
+        fewrows.call_few(spy, q.reshape(G, R, D), k.flatten(1, 2), v.flatten(1, 2))
+        assert seen[-1] == (torch.float32, k.data_ptr(), v.data_ptr()), L  # in place, q in fp32
+    wide = torch.randn(1, 1, G, C, 2 * D, generator=g).to(dtype)
+    for odd in (wide[..., :D], wide[..., ::2]):                        # positions not dense
+        fewrows.call_few(spy, q.reshape(G, R, D), odd.flatten(1, 2), odd.flatten(1, 2))
+        assert seen[-1][1] != odd.data_ptr()
+    if fewrows.few_rows_kernel(q, kv[:, 0]) is None:
+        pytest.skip("inductor cannot build the kernel here: torch's fused kernel runs")
+    for L in (1, 7, C // 2 + 3, C - 1):
+        k, v = kv[:, 0, :, :, :L], kv[:, 1, :, :, :L]
+        o, lse = attend_chunks(q, k, v)                                # [1, 1, G, R, D] in place
+        o_c, lse_c = attend_chunks(q, k.contiguous(), v.contiguous())  # a dense copy's
+        assert torch.equal(o, o_c) and torch.equal(lse, lse_c), L
+        o_e, lse_e = fewrows.few_rows(q[0], k[:, 0], v[:, 0])          # eager arithmetic
+        assert torch.allclose(o[:, 0], o_e, atol=1e-5) and torch.allclose(lse[:, 0], lse_e,
+                                                                          atol=1e-5)
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_compiles_for_fp32_and_for_half_precision_where_the_cpu_has_its_kernels(native,
                                                                                     monkeypatch):
     """--attention auto: fp32 queries take the compiled kernel on every CPU, and bf16 or fp16 ones
     only where oneDNN has that half precision's kernels (fewrows.native_half, both sides forced
     here); elsewhere the fused kernel, with nothing built. What auto takes is the very build that
-    --attention compiled takes, so its bits are that kernel's."""
+    --attention compiled takes, so its bits are that kernel's; queries reach it in fp32 (call_few),
+    so one build per K dtype serves queries of every dtype."""
     monkeypatch.setattr(fewrows, "_NATIVE", {torch.bfloat16: native, torch.float16: native})
     monkeypatch.setattr(fewrows, "_FEW", {})
     built = []
 
     def build(q, k):
         built.append((q.dtype, k.dtype))
-        return ("kernel", q.dtype, k.dtype)
+        return ("kernel", k.dtype, len(built))
     monkeypatch.setattr(fewrows, "build_few_rows", build)
     monkeypatch.setattr(fewrows, "KERNEL", "auto")
     k = torch.zeros(2, 1, G, C, D, dtype=torch.bfloat16)
@@ -342,18 +379,18 @@ def test_auto_compiles_for_fp32_and_for_half_precision_where_the_cpu_has_its_ker
         got = fewrows.few_rows_kernel(q, k)
         assert fewrows.compiled_pays(dtype) == (dtype == torch.float32 or native)
         if dtype == torch.float32 or native:
-            assert got == ("kernel", dtype, torch.bfloat16)
+            assert got == ("kernel", torch.bfloat16, 1)  # the first build, whatever q's dtype
             monkeypatch.setattr(fewrows, "KERNEL", "compiled")
             assert fewrows.few_rows_kernel(q, k) is got  # the same build, so the same bits
             monkeypatch.setattr(fewrows, "KERNEL", "auto")
         else:
             assert got is None
-    assert len(built) == (3 if native else 1)  # built once each, never for the fused kernel's
+    assert len(built) == 1  # built once, never for the fused kernel's
     # a cache's build, made up front (kvcache.make_cache): none for the fused kernel's queries
     fewrows.prepare(torch.bfloat16, torch.float16, G, R, C, D)
-    assert len(built) == (4 if native else 1)
+    assert len(built) == (2 if native else 1)
     fewrows.prepare(torch.float32, torch.float32, G, R, C, D)
-    assert len(built) == (5 if native else 2)
+    assert len(built) == (3 if native else 2)
     # a prefill chunk's many rows stay with the fused kernel under auto too
     assert fewrows.few_rows_kernel(torch.zeros(1, G, fewrows.FEW_ROWS + 1, D), k) is None
 
@@ -364,7 +401,9 @@ def test_the_few_rows_kernel_is_skipped_on_request_and_where_it_cannot_be_built(
     build that fails (no C++ compiler, an old torch) is one line on stderr and torch's fused
     kernel."""
     q = torch.zeros(1, G, R, D)
+    monkeypatch.setattr(fewrows, "_FEW", {})
     assert fewrows.KERNEL == "flash" and fewrows.few_rows_kernel(q, q[None]) is None
+    assert fewrows._FEW == {}  # nothing built
     monkeypatch.setattr(fewrows, "KERNEL", "compiled")
     assert fewrows.few_rows_kernel(torch.zeros(1, G, fewrows.FEW_ROWS + 1, D), q) is None
 

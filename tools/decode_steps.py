@@ -5,8 +5,9 @@ then the median and the fastest of 8 (issue 33: before and after, interleaved).
 
     python tools/decode_steps.py TREE fp32|bf16 1024,2048,6144 THREADS [none|int8|int4 [KV_DTYPE]]
 
-$ATTENTION=compiled runs the tree with --attention compiled (its build before the steps, timed),
-$PRODUCTS=compiled with --products compiled (a tree that has it).
+$ATTENTION=flash|compiled|auto runs the tree with that --attention (default flash, generate.py's;
+its build before the steps, timed), $PRODUCTS=compiled with --products compiled (a tree that has
+them).
 The checkpoint is $CKPT (a Hugging Face directory: `python -m measure.random_model smollm2-135m
 DIR --dtype fp32` makes the one docs/performance.md measures).
 """
@@ -29,7 +30,7 @@ from model import Transformer  # noqa: E402
 torch.set_num_threads(threads)
 kernel = os.environ.get("ATTENTION", "flash")
 products = os.environ.get("PRODUCTS", "library")
-if kernel != "flash" or products != "library":
+if kernel != "flash" or products != "library" or os.path.exists(os.path.join(tree, "fewrows.py")):
     import fewrows  # noqa: E402
     fewrows.KERNEL = kernel
     fewrows.PRODUCTS = products
