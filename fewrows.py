@@ -159,7 +159,7 @@ def call_few(fn, q, k, v):
     between chunks and between heads, so the open chunk's first L positions (a view of its C) are
     read in place, as every tier's runs are; anything else is copied first (the generated code
     would refuse it)."""
-    q = q.float() if q.dtype != torch.float32 else q
+    q = q.float()  # itself where already fp32
     q = q if q.is_contiguous() else q.contiguous()
     k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
             for t in (k, v))
@@ -198,6 +198,12 @@ def compile_traced(fn, example):
         return compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
 
 
+def reason(e):
+    """The one line a failed build prints: the exception's type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def build_product(dtype, bias):
     """few_rows_product compiled by inductor for `dtype` (with a bias or not), traced at [3, 5] x
     [7, 5] so that rows, outputs and input features are symbolic (one build serves every linear
@@ -223,7 +229,7 @@ def build_product(dtype, bias):
             return fn
         why = "its output disagreed with its eager arithmetic"
     except Exception as e:  # no compiler, an old torch, an inductor bug: torch's product stays
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        why = reason(e)
     print(f"products: inductor did not build the few-row product ({why[:200]}); using torch's "
           "(--products library)", file=sys.stderr)
     return None
@@ -267,7 +273,7 @@ def build_few_rows(q, k):
             return fn
         why = "its output disagreed with its eager arithmetic"
     except Exception as e:  # no compiler, an old torch, an inductor bug: the fused kernel stays
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        why = reason(e)
     print(f"attention: inductor did not build the decode kernel ({why[:200]}); using "
           "torch's fused kernel (--attention flash)", file=sys.stderr)
     return None
