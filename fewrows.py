@@ -36,6 +36,7 @@ import torch
 # A decode step's few query rows per kv head read a group of chunks through few_rows, compiled by
 # inductor (C++), on CPU: torch's fused kernel is compute-bound at a few rows.
 FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 positions at R 3)
+STRIP = 16       # features of V a weighted sum accumulates at once: one AVX-512 register of fp32
 # --attention: "flash" (torch's fused kernels), "compiled" (few_rows on CPU) or "auto" (compiled
 # where it is the faster of the two on this CPU and dtype: compiled_pays)
 KERNEL = "flash"
@@ -56,11 +57,19 @@ def few_rows(q, k, v):
     compiled (few_rows_kernel), each score is a dot product over D in registers, each row's
     softmax and weighted sum of V one loop over the chunk, every (chunk, head, row) computed by one
     thread in the same order whatever the count of chunks, heads or rows beside it."""
+    D = q.shape[-1]
     s = (q.float()[None, :, :, None, :] * k.float()[:, :, None]).sum(-1)  # [n, M, RT, C]
     m = s.amax(-1, keepdim=True)                                           # [n, M, RT, 1]
     p = torch.exp(s - m)                                                   # [n, M, RT, C]
     l = p.sum(-1, keepdim=True)                                            # [n, M, RT, 1]
-    o = (p[..., None] * v.float()[:, :, None]).sum(-2)                    # [n, M, RT, D]
+    # the weighted sum of V a strip of STRIP features at a time, each strip its own sum over the
+    # chunk: compiled, the strips become one loop over the chunk's positions with D/STRIP
+    # accumulators, each position's V row read once a row; as one sum over [C, D], the loop ran
+    # D/STRIP times over V (a strip a pass), each pass one chain of dependent adds. The same
+    # additions in the same order per output, so the same bits (docs/performance.md, round 20)
+    vf = v.float()[:, :, None]                                             # [n, M, 1, C, D]
+    o = torch.cat([(p[..., None] * vf[..., d:d + STRIP]).sum(-2)           # [n, M, RT, STRIP]
+                   for d in range(0, D, STRIP)], dim=-1)                   # [n, M, RT, D]
     return o / l, (m + torch.log(l)).squeeze(-1)
 
 
@@ -189,13 +198,30 @@ def compile_traced(fn, example):
         path = os.path.join(os.path.expanduser("~"), ".cache", "kvoffload", "inductor")
         make_private_dir(path, "the compiled kernels' cache")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
     with torch.inference_mode():  # as generation runs
         with fx_config.patch(use_duck_shape=False):
             gm = make_fx(fn, tracing_mode="symbolic")(*example)
-        return compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+        with inductor_config.patch(fused_multiply_add()):
+            return compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def fused_multiply_add():
+    """The inductor setting that lets the C++ compiler fuse a multiply and the add after it into one
+    instruction (FMA, rounded once): half the instructions of a dot product's loop, and a chunk
+    visit 7-8% faster (docs/performance.md, round 20). Each output is still computed in one order
+    whatever the rows or chunks beside it, so the kernels' bits stay their own; they are not eager
+    arithmetic's bits, which they never were. torch versions without the setting build without."""
+    import torch._inductor.config as inductor_config
+    current = getattr(inductor_config.cpp, "enable_floating_point_contract_flag", None)
+    if isinstance(current, str):
+        return {"cpp.enable_floating_point_contract_flag": "fast"}
+    if isinstance(current, bool):
+        return {"cpp.enable_floating_point_contract_flag": True}
+    return {}
 
 
 def reason(e):

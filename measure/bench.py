@@ -534,6 +534,9 @@ def build_parser():
                    "--dtype fp32, bf16 for bf16, f16 for fp16, q8_0 for --quantize int8, and for "
                    "--quantize int4 the f32 file through `llama-quantize --pure F32.gguf "
                    "OUT.gguf Q4_1`; checked against the checkpoint before any timed run")
+    p.add_argument("--llamacpp-fa", metavar="auto|on|off[,...]",
+                   help="with --vs-llamacpp: llama-bench's flash attention, one setting or several "
+                   "(each its own runs and rows, e.g. auto,off; default auto, its own default)")
     p.add_argument("--reuse-mode", default="none", choices=list(MODE_SPECS),
                    help="with --kv-store: the offload mode of the cold and warm runs "
                    "(default %(default)s)")
@@ -551,6 +554,8 @@ def check(args):
         llamacpp.check_flags(args)
     elif args.gguf:
         raise UsageError("--gguf goes with --vs-llamacpp")
+    elif args.llamacpp_fa:
+        raise UsageError("--llamacpp-fa goes with --vs-llamacpp")
     needed = {"--vs-hf": ("transformers", args.vs_hf),
               "--modes disk+zstd": ("zstandard", "disk+zstd" in modes)}
     for flag, (package, wanted) in needed.items():

@@ -11,8 +11,13 @@ a shared machine's drift hits both alike; numbers are medians of --repeats, the 
 llama-bench runs twice a repeat: prefill `-p N -n 0`, decode `-p 0 -n NEW-1 -d N` (NEW-1 single
 token steps after a prompt of N, as ours decodes after its first token), both with `-t THREADS -r 1
 -o json`; everything else is llama.cpp's default (its KV in f16, its batch sizes, its choice of
-flash attention), as a user runs it. llama-bench reports a decode step's mean, so ours is compared
-by its mean too (decode_tokens_per_s_mean), not the median step of the main table.
+flash attention), as a user runs it. --llamacpp-fa runs it with each of its flash-attention
+settings listed (`auto`, its default, `on`, `off`: `-fa 1` / `-fa 0`), each a side of its own in the
+interleaving and a row of its own in the table: which one is faster depends on the CPU and the
+context (docs/performance.md, round twenty: on one Intel VM its default took flash attention and
+decoded 6,258 positions 2.6x slower than without), so a comparison names the one it ran.
+llama-bench reports a decode step's mean, so ours is compared by its mean too
+(decode_tokens_per_s_mean), not the median step of the main table.
 
 The GGUF is the user's: this checkpoint converted by llama.cpp's own convert_hf_to_gguf.py, of the
 type that matches our weights (THEIR_TYPE). Before any timed run, a short llama-bench run checks
@@ -37,6 +42,19 @@ THEIR_TYPE = {("fp32", "none"): "F32", ("bf16", "none"): "BF16", ("fp16", "none"
 THEIR_KV = {"bf16": "bf16", "fp16": "f16"}
 # a GGUF converted from the checkpoint holds its tensors, perhaps less a few small buffers
 PARAMS_TOLERANCE = 0.005
+# --llamacpp-fa -> llama-bench's -fa (0 and 1, which old and new builds both take; auto: no flag,
+# its default)
+FLASH_ATTN = {"auto": (), "on": ("-fa", "1"), "off": ("-fa", "0")}
+
+
+def parse_fa(text):
+    """--llamacpp-fa: 'auto', 'off' or a list such as 'auto,off' -> a tuple of settings."""
+    settings = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in settings if x not in FLASH_ATTN]
+    if not settings or unknown or len(set(settings)) != len(settings):
+        raise UsageError(f"--llamacpp-fa {text}: give distinct settings among "
+                         f"{', '.join(FLASH_ATTN)}, e.g. auto,off")
+    return settings
 
 
 def their_type(args):
@@ -48,6 +66,7 @@ def their_type(args):
 
 def check_flags(args):
     """What --vs-llamacpp refuses before any heavy work: the files and the flags it cannot take."""
+    parse_fa(args.llamacpp_fa or "auto")
     if not args.gguf:
         raise UsageError("--vs-llamacpp needs --gguf FILE: this checkpoint converted by "
                          f"llama.cpp's convert_hf_to_gguf.py to {their_type(args)}")
@@ -113,10 +132,11 @@ def check_gguf(args):
     return entry
 
 
-def run_llamacpp(args, ctx):
-    """{"prefill", "decode"} tok/s of one repeat at `ctx`, each a fresh llama-bench process."""
-    pp = llama_bench(args, "-p", ctx, "-n", 0)
-    tg = llama_bench(args, "-p", 0, "-n", args.new_tokens - 1, "-d", ctx)
+def run_llamacpp(args, ctx, fa):
+    """{"prefill", "decode"} tok/s of one repeat at `ctx` with flash attention `fa` (--llamacpp-fa),
+    each a fresh llama-bench process."""
+    pp = llama_bench(args, "-p", ctx, "-n", 0, *FLASH_ATTN[fa])
+    tg = llama_bench(args, "-p", 0, "-n", args.new_tokens - 1, "-d", ctx, *FLASH_ATTN[fa])
     return {"prefill": pp["avg_ts"], "decode": tg["avg_ts"]}
 
 
@@ -124,20 +144,22 @@ def run_matrix(args, contexts, modes, run_fresh):
     """({(context, mode): [our stats]}, {context: [their rates]}), interleaved; run_fresh(args,
     mode, ctx, new) is bench.py's fresh-process run of ours."""
     ours = {}
-    theirs = {}
-    sides = list(modes) + ["llama.cpp"]
+    theirs = {}  # {(context, flash attention setting): [rates]}
+    fas = parse_fa(args.llamacpp_fa or "auto")
+    sides = list(modes) + [f"llama.cpp fa={fa}" for fa in fas]
     for rep in range(args.repeats):
         for ctx in contexts:
             for side in sides if rep % 2 == 0 else sides[::-1]:
-                if side == "llama.cpp":
-                    r = run_llamacpp(args, ctx)
-                    theirs.setdefault(ctx, []).append(r)
+                if side.startswith("llama.cpp"):
+                    fa = side.removeprefix("llama.cpp fa=")
+                    r = run_llamacpp(args, ctx, fa)
+                    theirs.setdefault((ctx, fa), []).append(r)
                     rates = (r["prefill"], r["decode"])
                 else:
                     _, st = run_fresh(args, side, ctx, args.new_tokens)
                     ours.setdefault((ctx, side), []).append(st)
                     rates = (st["prefill_tokens_per_s"], st["decode_tokens_per_s_mean"])
-                print(f"repeat {rep + 1}/{args.repeats} context {ctx} {side:<12} prefill "
+                print(f"repeat {rep + 1}/{args.repeats} context {ctx} {side:<18} prefill "
                       f"{rates[0]:9.1f} tok/s  decode {rates[1]:8.2f} tok/s  load "
                       f"{os.getloadavg()[0]:.2f}", file=sys.stderr)
     return ours, theirs
@@ -148,21 +170,23 @@ def stat(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(ours, theirs, contexts, modes):
-    """A row per context and mode: our and their prefill and decode (medians, spreads), ours over
-    theirs."""
+def summarize(ours, theirs, contexts, modes, fas):
+    """A row per context, mode and llama.cpp flash-attention setting: our and their prefill and
+    decode (medians, spreads), ours over theirs."""
     rows = []
     for ctx in contexts:
-        them = {k: stat([r[k] for r in theirs[ctx]]) for k in ("prefill", "decode")}
         for mode in modes:
             us = {"prefill": stat([r["prefill_tokens_per_s"] for r in ours[(ctx, mode)]]),
                   "decode": stat([r["decode_tokens_per_s_mean"] for r in ours[(ctx, mode)]])}
-            row = {"context": ctx, "mode": mode, "runs": len(ours[(ctx, mode)])}
-            for k in ("prefill", "decode"):
-                row[f"ours_{k}_tokens_per_s"] = us[k]
-                row[f"llamacpp_{k}_tokens_per_s"] = them[k]
-                row[f"ours_over_llamacpp_{k}"] = us[k]["median"] / them[k]["median"]
-            rows.append(row)
+            for fa in fas:
+                them = {k: stat([r[k] for r in theirs[(ctx, fa)]]) for k in ("prefill", "decode")}
+                row = {"context": ctx, "mode": mode, "llamacpp_fa": fa,
+                       "runs": len(ours[(ctx, mode)])}
+                for k in ("prefill", "decode"):
+                    row[f"ours_{k}_tokens_per_s"] = us[k]
+                    row[f"llamacpp_{k}_tokens_per_s"] = them[k]
+                    row[f"ours_over_llamacpp_{k}"] = us[k]["median"] / them[k]["median"]
+                rows.append(row)
     return rows
 
 
@@ -174,11 +198,12 @@ def cell(s):
 def markdown(rows, args):
     """The table, in the style of --vs-hf's."""
     weights = args.dtype if args.quantize == "none" else f"--quantize {args.quantize}"
-    lines = ["| context | mode | weights (ours / theirs) | prefill ours tok/s (min-max) | prefill "
-             "llama.cpp | ours / theirs | decode ours tok/s (min-max) | decode llama.cpp | "
-             "ours / theirs |", "|---" * 9 + "|"]
+    lines = ["| context | mode | weights (ours / theirs) | their flash attention | prefill ours "
+             "tok/s (min-max) | prefill llama.cpp | ours / theirs | decode ours tok/s (min-max) | "
+             "decode llama.cpp | ours / theirs |", "|---" * 10 + "|"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['mode']} | {weights} / {their_type(args)} | "
+                     f"{r['llamacpp_fa']} | "
                      f"{cell(r['ours_prefill_tokens_per_s'])} | "
                      f"{cell(r['llamacpp_prefill_tokens_per_s'])} | "
                      f"{r['ours_over_llamacpp_prefill']:.2f} | "
@@ -193,7 +218,7 @@ def compare(args, contexts, modes, run_fresh, machine, config):
     entry = check_gguf(args)
     ours, theirs = run_matrix(args, contexts, modes, run_fresh)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    rows = summarize(ours, theirs, contexts, modes)
+    rows = summarize(ours, theirs, contexts, modes, parse_fa(args.llamacpp_fa or "auto"))
     build = {k: entry.get(k) for k in ("build_commit", "build_number", "backends", "cpu_info",
                                        "model_type", "type_k", "type_v", "flash_attn",
                                        "n_batch", "n_ubatch")}

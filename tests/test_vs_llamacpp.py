@@ -76,7 +76,7 @@ def test_the_table_from_a_fake_llama_bench(tmp_path, capsys):
     assert tests == [("64", "0", None), ("0", "3", "64"), ("48", "0", None), ("0", "3", "48")] * 2
     for c in calls:
         assert c[c.index("-t") + 1] == "1" and c[c.index("-o") + 1] == "json", c
-        assert "-ctk" not in c
+        assert "-ctk" not in c and "-fa" not in c  # llama-bench's defaults, as a user runs it
     r = json.loads(out.read_text())
     assert r["llamacpp"]["model_type"] == "llama ?B all F32"
     assert [(row["context"], row["mode"], row["runs"]) for row in r["results"]] == [
@@ -90,7 +90,8 @@ def test_the_table_from_a_fake_llama_bench(tmp_path, capsys):
         assert row["ours_over_llamacpp_prefill"] == pytest.approx(ours["median"] / PREFILL)
         decode = row["ours_decode_tokens_per_s"]["median"]
         assert row["ours_over_llamacpp_decode"] == pytest.approx(decode / DECODE)
-        line = next(x for x in lines if x.startswith(f"| {row['context']} | none | fp32 / F32 |"))
+        line = next(x for x in lines
+                    if x.startswith(f"| {row['context']} | none | fp32 / F32 | auto |"))
         assert f"| {PREFILL:,.1f} ({PREFILL:,.1f}-{PREFILL:,.1f}) |" in line
         assert line.endswith(f"| {row['ours_over_llamacpp_decode']:.2f} |")
 
@@ -111,8 +112,35 @@ def test_their_kv_holds_the_precision_of_ours(tmp_path, capsys):
         assert c[c.index("-ctk") + 1] == c[c.index("-ctv") + 1] == "bf16", c
 
 
+def test_their_flash_attention_settings_each_a_side_and_a_row(tmp_path, capsys):
+    """--llamacpp-fa auto,off: every repeat runs llama-bench at its default (no -fa) and with -fa 0,
+    each its own prefill and decode call, interleaved with ours; the table has a row for each,
+    named."""
+    binary, log = fake_llama_bench(tmp_path)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
+                     "--ckpt", str(tmp_path / "model"), "--contexts", "32", "--modes", "none",
+                     "--chunk-size", "16", "--new-tokens", "2", "--repeats", "2",
+                     "--offload-dir", str(tmp_path / "kv"), "--json", str(out),
+                     "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path),
+                     "--llamacpp-fa", "auto,off"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    fa = [c[c.index("-fa") + 1] if "-fa" in c else None for c in calls[1:]]
+    # repeat 1: ours, auto, off; repeat 2 reversed: off, auto, ours (two calls a side)
+    assert fa == [None, None, "0", "0", "0", "0", None, None], fa
+    r = json.loads(out.read_text())
+    assert [(row["context"], row["llamacpp_fa"]) for row in r["results"]] == [(32, "auto"),
+                                                                              (32, "off")]
+    for setting in ("auto", "off"):
+        assert any(x.startswith(f"| 32 | none | fp32 / F32 | {setting} |")
+                   for x in captured.out.splitlines()), captured.out
+
+
 @pytest.mark.parametrize("case", ["no gguf", "missing gguf", "not executable", "fails",
-                                  "wrong type", "other model", "with vs-hf", "int4 groups"])
+                                  "wrong type", "other model", "with vs-hf", "int4 groups",
+                                  "bad fa", "fa alone"])
 def test_refusals_exit_2_with_one_line(tmp_path, capsys, case):
     binary, _ = fake_llama_bench(tmp_path, fail=case == "fails")
     gguf = fake_gguf(tmp_path, kind="llama ?B Q8_0" if case == "wrong type" else "llama ?B F32",
@@ -121,15 +149,19 @@ def test_refusals_exit_2_with_one_line(tmp_path, capsys, case):
         os.chmod(binary, 0o644)
     extra = {"no gguf": [], "missing gguf": ["--gguf", str(tmp_path / "none.gguf")],
              "with vs-hf": ["--gguf", gguf, "--vs-hf"],
-             "int4 groups": ["--gguf", gguf, "--quantize", "int4", "--group-size", "64"]}
+             "int4 groups": ["--gguf", gguf, "--quantize", "int4", "--group-size", "64"],
+             "bad fa": ["--gguf", gguf, "--llamacpp-fa", "auto,maybe"],
+             "fa alone": ["--llamacpp-fa", "off"]}
+    vs = [] if case == "fa alone" else ["--vs-llamacpp", binary]
     rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
                      "--ckpt", str(tmp_path / "model"), "--contexts", "32", "--modes", "none",
                      "--repeats", "1", "--offload-dir", str(tmp_path / "kv"),
-                     "--vs-llamacpp", binary, *extra.get(case, ["--gguf", gguf])])
+                     *vs, *extra.get(case, ["--gguf", gguf])])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith("bench.py: error:"), err
     words = {"no gguf": "--gguf FILE", "missing gguf": "no such file",
              "not executable": "not an executable", "fails": "invalid parameter",
              "wrong type": "convert the checkpoint to F32", "other model": "parameters",
-             "with vs-hf": "drop --vs-hf", "int4 groups": "--group-size 32"}
+             "with vs-hf": "drop --vs-hf", "int4 groups": "--group-size 32",
+             "bad fa": "--llamacpp-fa auto,maybe", "fa alone": "--llamacpp-fa goes with"}
     assert words[case] in err, err
