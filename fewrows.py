@@ -66,7 +66,7 @@ def few_rows(q, k, v):
     # chunk: compiled, the strips become one loop over the chunk's positions with D/STRIP
     # accumulators, each position's V row read once a row; as one sum over [C, D], the loop ran
     # D/STRIP times over V (a strip a pass), each pass one chain of dependent adds. The same
-    # additions in the same order per output, so the same bits (docs/performance.md, round 20)
+    # additions in the same order per output, so the same bits (docs/performance.md, round twenty)
     vf = v.float()[:, :, None]                                             # [n, M, 1, C, D]
     o = torch.cat([(p[..., None] * vf[..., d:d + STRIP]).sum(-2)           # [n, M, RT, STRIP]
                    for d in range(0, D, STRIP)], dim=-1)                   # [n, M, RT, D]
@@ -211,10 +211,11 @@ def compile_traced(fn, example):
 
 def fused_multiply_add():
     """The inductor setting that lets the C++ compiler fuse a multiply and the add after it into one
-    instruction (FMA, rounded once): half the instructions of a dot product's loop, and a chunk
-    visit 7-8% faster (docs/performance.md, round 20). Each output is still computed in one order
-    whatever the rows or chunks beside it, so the kernels' bits stay their own; they are not eager
-    arithmetic's bits, which they never were. torch versions without the setting build without."""
+    instruction (FMA, rounded once): half the instructions of a dot product's loop, a chunk visit
+    from cache 7-12% faster (docs/performance.md, round twenty). Each output is still computed in
+    one order whatever the rows or chunks beside it, so the kernels' bits stay their own; they are
+    not eager arithmetic's bits, which they never were. A torch without the setting builds
+    without it."""
     import torch._inductor.config as inductor_config
     current = getattr(inductor_config.cpp, "enable_floating_point_contract_flag", None)
     if isinstance(current, str):
