@@ -65,8 +65,9 @@ def few_rows(q, k, v):
     # the weighted sum of V a strip of STRIP features at a time, each strip its own sum over the
     # chunk: compiled, the strips become one loop over the chunk's positions with D/STRIP
     # accumulators, each position's V row read once a row; as one sum over [C, D], the loop ran
-    # D/STRIP times over V (a strip a pass), each pass one chain of dependent adds. The same
-    # additions in the same order per output, so the same bits (docs/performance.md, round twenty)
+    # D/STRIP times over V (a strip a pass), each pass one chain of dependent adds. Each output's
+    # additions are those of the one sum, in its order: the strips alone change no bit
+    # (docs/performance.md, round twenty)
     vf = v.float()[:, :, None]                                             # [n, M, 1, C, D]
     o = torch.cat([(p[..., None] * vf[..., d:d + STRIP]).sum(-2)           # [n, M, RT, STRIP]
                    for d in range(0, D, STRIP)], dim=-1)                   # [n, M, RT, D]
