@@ -320,6 +320,40 @@ def test_the_few_rows_kernel_is_attention_and_gives_each_row_and_chunk_its_own_b
     assert torch.equal(wide[:, :, :, :RT], o_c)
 
 
+def one_sum(q, k, v):
+    """few_rows as it was before its V sum was cut into strips: one sum over [C, D]."""
+    s = (q.float()[None, :, :, None, :] * k.float()[:, :, None]).sum(-1)  # [n, M, RT, C]
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = (p[..., None] * v.float()[:, :, None]).sum(-2)                    # [n, M, RT, D]
+    return o / l, (m + torch.log(l)).squeeze(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_strips_of_vs_sum_change_no_bit(dtype):
+    """fewrows.few_rows sums V a strip of 16 features at a time so that inductor fuses the strips
+    into one loop with independent accumulators (docs/performance.md, round twenty); each output
+    is still the same additions in the same order, so compiled alike (the same flags) the strips
+    and the one sum give the same bits, for whole chunks, several rows and the open chunk's first
+    positions. A strip that summed in another order (a split over positions, say) fails this."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(3, 2, G, C + 5, D, generator=g).to(dtype)[:, :, :, :C]
+    example = [torch.randn(G, 5, D, generator=g) / 8, base[:, 0], base[:, 1]]
+    try:
+        strips = fewrows.compile_traced(fewrows.few_rows, example)
+        whole = fewrows.compile_traced(one_sum, example)
+    except Exception as e:  # no C++ compiler: the fused kernel runs, nothing to compare
+        pytest.skip(f"inductor cannot build here: {fewrows.reason(e)}")
+    for n, rows, length in ((1, 3, C), (4, 9, C), (2, 3, 13)):
+        held = torch.randn(n, 2, G, C, D, generator=g).to(dtype)
+        k, v = held[:, 0, :, :length], held[:, 1, :, :length]        # [n, G, length, D]
+        q = torch.randn(G, rows, D, generator=g) / 8
+        o, lse = strips(q, k, v)
+        o_ref, lse_ref = whole(q, k, v)
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), (n, rows, length)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_open_chunks_first_positions_are_read_in_place_with_a_copys_bits(dtype, monkeypatch):
     """The open chunk's first L positions are a view of its C (a stride between heads of C*D, not
