@@ -14,8 +14,9 @@ token steps after a prompt of N, as ours decodes after its first token), both wi
 flash attention), as a user runs it. --llamacpp-fa runs it with each of its flash-attention
 settings listed (`auto`, its default, `on`, `off`: `-fa 1` / `-fa 0`), each a side of its own in the
 interleaving and a row of its own in the table: which one is faster depends on the CPU and the
-context (docs/performance.md, round twenty: on one Intel VM its default took flash attention and
-decoded 6,258 positions 2.6x slower than without), so a comparison names the one it ran.
+context (docs/performance.md, round twenty: on one Intel VM a native build's default took flash
+attention and decoded 6,258 positions 2.6x slower than without), so a comparison names the one it
+ran.
 llama-bench reports a decode step's mean, so ours is compared by its mean too
 (decode_tokens_per_s_mean), not the median step of the main table.
 
@@ -141,25 +142,27 @@ def run_llamacpp(args, ctx, fa):
 
 
 def run_matrix(args, contexts, modes, run_fresh):
-    """({(context, mode): [our stats]}, {context: [their rates]}), interleaved; run_fresh(args,
-    mode, ctx, new) is bench.py's fresh-process run of ours."""
+    """({(context, mode): [our stats]}, {(context, flash attention setting): [their rates]}),
+    interleaved; run_fresh(args, mode, ctx, new) is bench.py's fresh-process run of ours."""
     ours = {}
-    theirs = {}  # {(context, flash attention setting): [rates]}
-    fas = parse_fa(args.llamacpp_fa or "auto")
-    sides = list(modes) + [f"llama.cpp fa={fa}" for fa in fas]
+    theirs = {}
+    # a side: one of our --modes, or llama.cpp at one --llamacpp-fa setting
+    sides = [(None, mode) for mode in modes]
+    sides += [("llama.cpp", fa) for fa in parse_fa(args.llamacpp_fa or "auto")]
     for rep in range(args.repeats):
         for ctx in contexts:
-            for side in sides if rep % 2 == 0 else sides[::-1]:
-                if side.startswith("llama.cpp"):
-                    fa = side.removeprefix("llama.cpp fa=")
-                    r = run_llamacpp(args, ctx, fa)
-                    theirs.setdefault((ctx, fa), []).append(r)
+            for who, what in sides if rep % 2 == 0 else sides[::-1]:
+                if who:
+                    r = run_llamacpp(args, ctx, what)
+                    theirs.setdefault((ctx, what), []).append(r)
                     rates = (r["prefill"], r["decode"])
+                    name = f"llama.cpp fa={what}"
                 else:
-                    _, st = run_fresh(args, side, ctx, args.new_tokens)
-                    ours.setdefault((ctx, side), []).append(st)
+                    _, st = run_fresh(args, what, ctx, args.new_tokens)
+                    ours.setdefault((ctx, what), []).append(st)
                     rates = (st["prefill_tokens_per_s"], st["decode_tokens_per_s_mean"])
-                print(f"repeat {rep + 1}/{args.repeats} context {ctx} {side:<18} prefill "
+                    name = what
+                print(f"repeat {rep + 1}/{args.repeats} context {ctx} {name:<18} prefill "
                       f"{rates[0]:9.1f} tok/s  decode {rates[1]:8.2f} tok/s  load "
                       f"{os.getloadavg()[0]:.2f}", file=sys.stderr)
     return ours, theirs
@@ -170,9 +173,10 @@ def stat(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize(ours, theirs, contexts, modes, fas):
+def summarize(ours, theirs, contexts, modes):
     """A row per context, mode and llama.cpp flash-attention setting: our and their prefill and
     decode (medians, spreads), ours over theirs."""
+    fas = list(dict.fromkeys(fa for _, fa in theirs))  # the settings, in the order they ran
     rows = []
     for ctx in contexts:
         for mode in modes:
@@ -218,7 +222,7 @@ def compare(args, contexts, modes, run_fresh, machine, config):
     entry = check_gguf(args)
     ours, theirs = run_matrix(args, contexts, modes, run_fresh)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    rows = summarize(ours, theirs, contexts, modes, parse_fa(args.llamacpp_fa or "auto"))
+    rows = summarize(ours, theirs, contexts, modes)
     build = {k: entry.get(k) for k in ("build_commit", "build_number", "backends", "cpu_info",
                                        "model_type", "type_k", "type_v", "flash_attn",
                                        "n_batch", "n_ubatch")}
