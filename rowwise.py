@@ -52,11 +52,17 @@ only, and the rows above keep that call as "alone". In half precision on a CPU w
 torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for
 2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
 row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
-rows rather than a product a row. On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows
+rows rather than a product a row. Where oneDNN computes bf16 on AMX tiles (Intel Xeon 4th
+generation and later), a lone row is taken the other way round, the weight times a column
+(weight_first: torch.mv, whose product has the weight's N rows where F.linear's has one, so the
+tiles' 16 rows are filled): a decode step's bf16 products read their weights 1.2-1.8x faster, and
+where probes show the same bits as the rows of a batch (decided once per shape), so batches and
+verify steps stay one product. On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows
 or more (a prefill chunk's) is taken in fp32 and rounded once (wide): torch's own half-precision
 GEMM is 6x slower than MKL's fp32 there; a decode step's rows keep the half-precision kernel.
 """
 import copy
+import os
 
 import torch
 import torch.nn as nn
@@ -73,6 +79,7 @@ _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lo
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
 _BLOCKED = None  # whether this CPU is not Intel's (blocked_fp32), read once
+_AMX = None      # whether oneDNN may compute bf16 on AMX tiles here (weight_first), read once
 
 
 class Linear(nn.Linear):
@@ -80,7 +87,8 @@ class Linear(nn.Linear):
     the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
     only; and whose one-row product in half precision on CPU is that of two rows, the second zero,
     where the library's one-row path sums in another order than its path for more rows
-    (lone_row_padded): then one product serves a batch's or a verify step's rows. With --products
+    (lone_row_padded), or the weight times the row as a column where that is faster and the same
+    bits (weight_first): then one product serves a batch's or a verify step's rows. With --products
     compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is the compiled
     fewrows.few_rows_product instead, each row's bits its own by construction."""
 
@@ -91,6 +99,9 @@ class Linear(nn.Linear):
             return fewrows.call_product(few, x, w, self.bias)     # [..., N]
         N, K = w.shape
         M = x.numel() // K                                         # rows
+        if M == 1 and x.dtype == w.dtype == torch.bfloat16 and w.is_cpu and weight_first(self, x):
+            # [N, K] x [K]: the weight as the product's rows (weight_first)
+            return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
         if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
@@ -308,6 +319,64 @@ def lone_row_padded(layer, x):
     if key not in _LONE:
         _LONE[key] = not _lone_row_agrees(layer, x)
     return _LONE[key]
+
+
+def weight_first(layer, x):
+    """Whether layer's one-row bf16 product (x [..., K], one row, CPU) is taken as the weight times
+    a column, [N, K] x [K] (torch.mv): for a layer without a bias (a bias's rounding would be
+    another question for the probes), where oneDNN computes bf16 on AMX tiles (amx_tiles) and
+    probes show the bits of the same row among others (F.linear of 2 rows), so that a batch or a
+    verify step stays one product. oneDNN fills a tile's 16 rows with
+    the product's rows: one for F.linear's row, 16 of the weight's N for the column. Measured (Xeon,
+    family 6 model 207, 2 threads, docs/performance.md round twenty-one): 576 x 3072 in 95 us
+    against 175, a 6K decode step of a 30-layer bf16 model 14% faster; without AMX (AVX512-BF16
+    alone) the column is 2.5-3x slower, so it is not taken there. Decided once per weight shape
+    and layout, x's layout and the thread count: a function of shapes and the machine, never of
+    where a chunk lives."""
+    if _has_bias(layer) or not amx_tiles():
+        return False
+    w = layer.weight
+    key = ("weight first", tuple(w.shape), w.stride(), w.data_ptr() % 64, x.stride()[-1],
+           torch.get_num_threads())
+    if key not in _LONE:
+        _LONE[key] = _weight_first_agrees(layer, x)
+    return _LONE[key]
+
+
+def amx_tiles():
+    """Whether oneDNN may compute bf16 products on AMX tiles here: the CPU has them, the kernel
+    lets this process use them (torch's _init_amx asks it once), and ONEDNN_MAX_CPU_ISA does not
+    keep oneDNN below them. Read once a process."""
+    global _AMX
+    if _AMX is None:
+        init = getattr(getattr(torch._C, "_cpu", None), "_init_amx", None)
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+        try:
+            _AMX = bool(init and init()) and (isa in ("ALL", "DEFAULT", "") or "AMX" in isa)
+        except RuntimeError:
+            _AMX = False
+    return _AMX
+
+
+def _weight_first_agrees(layer, x):
+    """The weight times the row as a column equals the first row of F.linear of the row and
+    another, on two zero-sum probes (module docstring), each with a second row of its own."""
+    g = torch.Generator().manual_seed(0)
+    made = _probe_layer(layer, g)
+    if made is None:
+        return False
+    probe, pairs = made
+    K = layer.in_features
+    for _ in range(2):
+        v = _magnitudes((2, pairs.shape[1]), g, -6, 7)
+        xp = torch.zeros(2, K)
+        xp[:, pairs[0]] = v
+        xp[:, pairs[1]] = v
+        xp = xp.to(x.dtype)                                        # [2, K]
+        col = torch.mv(probe.weight, xp[0])                        # [N]
+        if not torch.equal(col[None], F.linear(xp, probe.weight)[:1]):
+            return False
+    return True
 
 
 def _lone_row_agrees(layer, x):
