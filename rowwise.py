@@ -53,13 +53,14 @@ torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order 
 2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
 row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
 rows rather than a product a row. Where oneDNN computes bf16 on AMX tiles (Intel Xeon 4th
-generation and later), a lone row is taken the other way round, the weight times a column
-(weight_first: torch.mv, whose product has the weight's N rows where F.linear's has one, so the
-tiles' 16 rows are filled): a decode step's bf16 products read their weights 1.2-1.8x faster, and
-where probes show the same bits as the rows of a batch (decided once per shape), so batches and
-verify steps stay one product. On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows
-or more (a prefill chunk's) is taken in fp32 and rounded once (wide): torch's own half-precision
-GEMM is 6x slower than MKL's fp32 there; a decode step's rows keep the half-precision kernel.
+generation and later), a product of up to WEIGHT_FIRST_ROWS rows is taken the other way round, the
+weight times the rows as columns (weight_first: torch.mv or torch.mm, whose product has the
+weight's N rows where F.linear's has the few rows, so the tiles' 16 rows are filled): a decode
+step's bf16 products read their weights 1.2-1.8x faster, and where probes show a lone row the bits
+of that row among others (decided once per shape), so batches and verify steps stay one product.
+On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows or more (a prefill chunk's) is
+taken in fp32 and rounded once (wide): torch's own half-precision GEMM is 6x slower than MKL's fp32
+there; a decode step's rows keep the half-precision kernel.
 """
 import copy
 import os
@@ -74,6 +75,7 @@ SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most
 SPLIT_BLOCKS = 16
 SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
 WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
+WEIGHT_FIRST_ROWS = 16  # products of up to this many bf16 rows may take weight_first
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
@@ -87,10 +89,10 @@ class Linear(nn.Linear):
     the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
     only; and whose one-row product in half precision on CPU is that of two rows, the second zero,
     where the library's one-row path sums in another order than its path for more rows
-    (lone_row_padded), or the weight times the row as a column where that is faster and the same
-    bits (weight_first): then one product serves a batch's or a verify step's rows. With --products
-    compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is the compiled
-    fewrows.few_rows_product instead, each row's bits its own by construction."""
+    (lone_row_padded), or a few rows as the weight times columns where that is faster and the
+    same bits (weight_first): then one product serves a batch's or a verify step's rows. With
+    --products compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is
+    the compiled fewrows.few_rows_product instead, each row's bits its own by construction."""
 
     def forward(self, x):
         w = self.weight                                            # [N, K]
@@ -99,9 +101,13 @@ class Linear(nn.Linear):
             return fewrows.call_product(few, x, w, self.bias)     # [..., N]
         N, K = w.shape
         M = x.numel() // K                                         # rows
-        if M == 1 and x.dtype == w.dtype == torch.bfloat16 and w.is_cpu and weight_first(self, x):
-            # [N, K] x [K]: the weight as the product's rows (weight_first)
-            return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
+        if (M <= WEIGHT_FIRST_ROWS and x.dtype == w.dtype == torch.bfloat16 and w.is_cpu
+                and weight_first(self, x)):
+            # the weight as the product's rows (weight_first): [N, K] x [K] or x [K, M]
+            if M == 1:
+                return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
+            y = torch.mm(w, x.reshape(M, K).t())                     # [N, M]
+            return y.t().contiguous().view(*x.shape[:-1], N)         # [..., N]
         if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
@@ -322,17 +328,19 @@ def lone_row_padded(layer, x):
 
 
 def weight_first(layer, x):
-    """Whether layer's one-row bf16 product (x [..., K], one row, CPU) is taken as the weight times
-    a column, [N, K] x [K] (torch.mv): for a layer without a bias (a bias's rounding would be
-    another question for the probes), where oneDNN computes bf16 on AMX tiles (amx_tiles) and
-    probes show the bits of the same row among others (F.linear of 2 rows), so that a batch or a
-    verify step stays one product. oneDNN fills a tile's 16 rows with
-    the product's rows: one for F.linear's row, 16 of the weight's N for the column. Measured (Xeon,
-    family 6 model 207, 2 threads, docs/performance.md round twenty-one): 576 x 3072 in 95 us
-    against 175, a 6K decode step of a 30-layer bf16 model 14% faster; without AMX (AVX512-BF16
-    alone) the column is 2.5-3x slower, so it is not taken there. Decided once per weight shape
-    and layout, x's layout and the thread count: a function of shapes and the machine, never of
-    where a chunk lives."""
+    """Whether layer's bf16 product of a few rows (x [..., K], up to WEIGHT_FIRST_ROWS rows, CPU)
+    is taken as the weight times the rows as columns, [N, K] x [K] (torch.mv) or x [K, M]
+    (torch.mm, transposed back): for a layer without a bias (a bias's rounding would be another
+    question for the probes), where oneDNN computes bf16 on AMX tiles (amx_tiles) and probes show a
+    lone row's column the bits of the same row among others (F.linear of 2 rows), so that a batch or
+    a verify step stays one product (rowwise.linear's probes then compare its rows, columns too,
+    with the lone row). oneDNN fills a tile's 16 rows with the product's rows: the few rows for
+    F.linear, 16 of the weight's N for the columns. Measured (Xeon, family 6 model 207, 2 threads,
+    docs/performance.md round twenty-one): 576 x 3072 in 95 us against 175 for one row, 1.2-1.5x
+    for 2 to 16 rows from memory, a 6K decode step of a 30-layer bf16 model 14% faster; without AMX
+    (AVX512-BF16 alone) one column is 2.5-3x slower, so it is not taken there. Decided once per
+    weight shape and layout, x's layout and the thread count: a function of shapes and the machine,
+    never of where a chunk lives."""
     if _has_bias(layer) or not amx_tiles():
         return False
     w = layer.weight

@@ -174,22 +174,27 @@ def test_a_lone_row_of_the_real_product_is_a_row_of_a_batch(dtype):
             assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), B
 
 
-def test_a_lone_bf16_row_is_the_weight_times_a_column_only_where_its_bits_agree(monkeypatch):
-    """rowwise.weight_first: where oneDNN computes bf16 on AMX tiles, a lone row is torch.mv of
-    the weight and the row, taken where probes show the bits of that row among others; a torch.mv
-    that sums in another order (K's two halves apart) is refused, and the lone row keeps F.linear.
-    Without AMX it is never taken. Either way a batch's rows get their lone bits in one product.
-    The column products here are stand-ins of known order (the real kernels, whatever this machine
+def test_bf16_rows_are_the_weight_times_columns_only_where_their_bits_agree(monkeypatch):
+    """rowwise.weight_first: where oneDNN computes bf16 on AMX tiles, a product of up to
+    WEIGHT_FIRST_ROWS rows is the weight times the rows as columns (torch.mv for one, torch.mm for
+    more), taken where probes show a lone row the bits of that row among others; a torch.mv that
+    sums in another order (K's two halves apart) is refused, and the rows keep F.linear. Without
+    AMX it is never taken. Either way a batch's rows get their lone bits in one product. The
+    column products here are stand-ins of known order (the real kernels, whatever this machine
     decides, are the batch tests' above and below)."""
     real_mv = torch.mv
     calls = []
 
-    def agreeing(w, v):  # the row among others, as a column product
-        calls.append(1)
+    def agreeing_mv(w, v):  # a row among others, as a column product
+        calls.append("mv")
         return F.linear(torch.stack([v, torch.zeros_like(v)]), w)[0]
 
-    def halves(w, v):    # K's two halves summed apart, rounded once
-        calls.append(1)
+    def agreeing_mm(w, xt):  # [N, K] x [K, M]: the rows' product, transposed
+        calls.append("mm")
+        return F.linear(xt.t(), w).t()
+
+    def halves(w, v):       # K's two halves summed apart, rounded once
+        calls.append("mv")
         h = v.shape[0] // 2
         return (real_mv(w[:, :h].float(), v[:h].float())
                 + real_mv(w[:, h:].float(), v[h:].float())).to(v.dtype)
@@ -199,20 +204,25 @@ def test_a_lone_bf16_row_is_the_weight_times_a_column_only_where_its_bits_agree(
     layer.weight = nn.Parameter(trained_weight(1536, 576, g).to(torch.bfloat16),
                                 requires_grad=False)
     x = activations((16, 1, 576), g).to(torch.bfloat16)
-    for amx, mv, taken in ((True, agreeing, True), (True, halves, False), (False, agreeing, False)):
+    for amx, mv, taken in ((True, agreeing_mv, True), (True, halves, False),
+                           (False, agreeing_mv, False)):
         for table in ("_LONE", "_DECIDED", "_PROBES"):
             monkeypatch.setattr(rowwise, table, {})
         monkeypatch.setattr(rowwise, "_AMX", amx)
         monkeypatch.setattr(torch, "mv", mv)
+        monkeypatch.setattr(torch, "mm", agreeing_mm)
         with torch.inference_mode():
             layer(x[:1])                                  # decided here, on probes
             calls.clear()
             lone = layer(x[:1])
-            assert calls == ([1] if taken else []), (amx, mv.__name__)
+            assert calls == (["mv"] if taken else []), (amx, mv.__name__)
             if taken:
                 assert torch.equal(lone, mv(layer.weight, x[0, 0]).view(1, 1, -1))
             assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), mv.__name__
             assert rowwise.one_product(layer, x), mv.__name__  # one product for the 16 rows
+            calls.clear()
+            layer(x)
+            assert calls == (["mm"] if taken else []), (amx, mv.__name__)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
