@@ -261,9 +261,7 @@ def _one_row_threads_agree(layer):
     try:
         for _ in range(2):
             v = _magnitudes((1, pairs.shape[1]), g, -6, 7)
-            xp = torch.zeros(1, probe.weight.shape[1])                  # [1, K]
-            xp[0, pairs[0]] = v[0]
-            xp[0, pairs[1]] = v[0]
+            xp = _paired(v, pairs, probe.weight.shape[1])               # [1, K]
             ys = []
             for n in sorted({1, 2, threads}):
                 torch.set_num_threads(n)
@@ -376,11 +374,7 @@ def _weight_first_agrees(layer, x):
     probe, pairs = made
     K = layer.in_features
     for _ in range(2):
-        v = _magnitudes((2, pairs.shape[1]), g, -6, 7)
-        xp = torch.zeros(2, K)
-        xp[:, pairs[0]] = v
-        xp[:, pairs[1]] = v
-        xp = xp.to(x.dtype)                                        # [2, K]
+        xp = _paired(_magnitudes((2, pairs.shape[1]), g, -6, 7), pairs, K).to(x.dtype)  # [2, K]
         col = torch.mv(probe.weight, xp[0])                        # [N]
         if not torch.equal(col[None], F.linear(xp, probe.weight)[:1]):
             return False
@@ -398,10 +392,7 @@ def _lone_row_agrees(layer, x):
     probe, pairs = made
     for _ in range(2):
         v = _magnitudes((1, pairs.shape[1]), g, -6, 7)
-        xp = torch.zeros(2, K)
-        xp[0, pairs[0]] = v[0]
-        xp[0, pairs[1]] = v[0]
-        xp = xp.to(x.dtype)                                        # [2, K]
+        xp = torch.cat([_paired(v, pairs, K), torch.zeros(1, K)]).to(x.dtype)  # [2, K]: a zero row
         one = F.linear(xp[:1].clone(), probe.weight, probe.bias)   # [1, N]
         if not torch.equal(one, F.linear(xp, probe.weight, probe.bias)[:1]):
             return False
@@ -451,6 +442,15 @@ def _magnitudes(shape, g, lo, hi):
     sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
     exp = torch.randint(lo, hi + 1, shape, generator=g)
     return sign * 2.0 ** exp * (1 + torch.randint(0, 128, shape, generator=g) / 128)
+
+
+def _paired(v, pairs, K):
+    """Inputs [..., K]: zeros but for v [..., K/2] at both features of each pair (pairs [2, K/2]),
+    which the probe layer weighs with opposite signs: every output is the rounding alone."""
+    x = torch.zeros(*v.shape[:-1], K)
+    x[..., pairs[0]] = v
+    x[..., pairs[1]] = v
+    return x
 
 
 def _like(t, values):
@@ -532,10 +532,7 @@ def _linear_agrees(layer, x):
         return False
     probe, pairs = _PROBES[key]
     for _ in range(2):
-        v = _magnitudes((B, T, pairs.shape[1]), g, -6, 7)
-        xp = torch.zeros(B, T, K)
-        xp[..., pairs[0]] = v
-        xp[..., pairs[1]] = v
+        xp = _paired(_magnitudes((B, T, pairs.shape[1]), g, -6, 7), pairs, K)  # [B, T, K]
         if not _agree(probe, [_like(x, xp)]):
             return False
     return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))])

@@ -57,14 +57,19 @@ def fake_gguf(tmp_path, kind="llama ?B all F32", params=TINY_PARAMS):
     return str(path)
 
 
+def run_bench(tmp_path, *args):
+    """bench.py on the tiny random model in tmp_path, one thread, --offload none, chunk 16, then
+    args: its exit code."""
+    return bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
+                       "--ckpt", str(tmp_path / "model"), "--modes", "none", "--chunk-size", "16",
+                       "--offload-dir", str(tmp_path / "kv"), *args])
+
+
 def test_the_table_from_a_fake_llama_bench(tmp_path, capsys):
     binary, log = fake_llama_bench(tmp_path)
     out = tmp_path / "bench.json"
-    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
-                     "--ckpt", str(tmp_path / "model"), "--contexts", "64,48", "--modes", "none",
-                     "--chunk-size", "16", "--new-tokens", "4", "--repeats", "2",
-                     "--offload-dir", str(tmp_path / "kv"), "--json", str(out),
-                     "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path)])
+    rc = run_bench(tmp_path, "--contexts", "64,48", "--new-tokens", "4", "--repeats", "2",
+                   "--json", str(out), "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path))
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -100,11 +105,8 @@ def test_their_kv_holds_the_precision_of_ours(tmp_path, capsys):
     """--kv-dtype bf16 is compared with llama.cpp's bf16 KV (-ctk, -ctv on every call); without
     it llama-bench runs its default (f16), as the calls of the test above carry no -ctk."""
     binary, log = fake_llama_bench(tmp_path)
-    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
-                     "--ckpt", str(tmp_path / "model"), "--contexts", "32", "--modes", "none",
-                     "--chunk-size", "16", "--new-tokens", "2", "--repeats", "1",
-                     "--kv-dtype", "bf16", "--offload-dir", str(tmp_path / "kv"),
-                     "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path)])
+    rc = run_bench(tmp_path, "--contexts", "32", "--new-tokens", "2", "--repeats", "1",
+                   "--kv-dtype", "bf16", "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path))
     assert rc == 0, capsys.readouterr().err
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) == 3
@@ -118,12 +120,9 @@ def test_their_flash_attention_settings_each_a_side_and_a_row(tmp_path, capsys):
     named."""
     binary, log = fake_llama_bench(tmp_path)
     out = tmp_path / "bench.json"
-    rc = bench.main(["--device", "cpu", "--threads", "1", "--random-model", TINY,
-                     "--ckpt", str(tmp_path / "model"), "--contexts", "32", "--modes", "none",
-                     "--chunk-size", "16", "--new-tokens", "2", "--repeats", "2",
-                     "--offload-dir", str(tmp_path / "kv"), "--json", str(out),
-                     "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path),
-                     "--llamacpp-fa", "auto,off"])
+    rc = run_bench(tmp_path, "--contexts", "32", "--new-tokens", "2", "--repeats", "2",
+                   "--json", str(out), "--vs-llamacpp", binary, "--gguf", fake_gguf(tmp_path),
+                   "--llamacpp-fa", "auto,off")
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     calls = [json.loads(line) for line in log.read_text().splitlines()]
