@@ -109,21 +109,22 @@ def attend_chunk(q, k, v, visible=None, fused=True):
 
 
 def attend_chunks(q, k, v):
-    """The partials of n whole chunks in one kernel call: q [B, G, R*T, D] (scaled); k, v
-    [n, B, G, C, D], the chunks of one group (kvcache.chunk_groups). Returns their stack (o [n, B,
-    G, R*T, D], lse [n, B, G, R*T]) fp32, in the chunks' order. The chunks are the kernel's batch:
-    each batch element is computed apart from the others, so a chunk's partial has the bits a call
-    of its own gives (tests/test_attention.py checks it), for a fraction of the fixed cost of a call
-    (a decode step's few query rows read a chunk in about the time that cost takes)."""
+    """The partials of n whole chunks in one kernel call: q [B, G, R*T, D] (scaled), or [n, B, G,
+    R*T, D], queries of each chunk's own (a batch's grid of tasks' chunks, kvbatch.BatchedCaches);
+    k, v [n, B, G, C, D], the chunks of one group (kvcache.chunk_groups). Returns their stack (o
+    [n, B, G, R*T, D], lse [n, B, G, R*T]) fp32, in the chunks' order. The chunks are the kernel's
+    batch: each batch element is computed apart from the others, so a chunk's partial has the bits
+    a call of its own gives (tests/test_attention.py checks it), for a fraction of the fixed cost of
+    a call (a decode step's few query rows read a chunk in about the time that cost takes)."""
     n, B, G, C, D = k.shape
-    RT = q.shape[2]
-    few = few_rows_kernel(q, k)
+    RT = q.shape[-2]
+    few = few_rows_kernel(q, k) if q.dim() == 4 else None  # it takes one query block a call
     if few is not None:  # K and V read as they are held, whatever their dtype
         # [B*G, R*T, D] against [n, B*G, C, D]: flattening B and G is a view of every layout
         o, lse = call_few(few, q.reshape(B * G, RT, D), k.flatten(1, 2), v.flatten(1, 2))
         return o.view(n, B, G, RT, D), lse.view(n, B, G, RT)
     q, k, v = common_dtype(q, k, v)    # K and V held in half precision under wider weights
-    qn = q.expand(n, B, G, RT, D).flatten(0, 1)                    # [n*B, G, R*T, D]
+    qn = (q if q.dim() == 5 else q.expand(n, B, G, RT, D)).flatten(0, 1)  # [n*B, G, R*T, D]
     kn = k.flatten(0, 1)                                           # [n*B, G, C, D]
     vn = v.flatten(0, 1)
     if q.is_cpu and FLASH_CPU is not None:
@@ -159,7 +160,9 @@ def widened(x, which, dtype=torch.float32):
     inputs before the next group overwrites them)."""
     key = (which, tuple(x.shape[1:]), dtype, x.device)
     buf = _WIDE.get(key)
-    if buf is None or buf.shape[0] < x.shape[0]:
+    # a scratch made under inference_mode (every generation) is written in place only there
+    stale = buf is not None and buf.is_inference() and not torch.is_inference_mode_enabled()
+    if buf is None or buf.shape[0] < x.shape[0] or stale:
         buf = torch.empty(x.shape, dtype=dtype, device=x.device)
         _WIDE[key] = buf
     return buf[:x.shape[0]].copy_(x)

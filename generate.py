@@ -26,7 +26,7 @@ if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (ru
 
 import torch  # noqa: E402
 
-from kvcache import BatchedCaches
+from kvbatch import BatchedCaches
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc only; elsewhere trim_heap does nothing

@@ -294,32 +294,13 @@ class KVCache:
                 self.summarize(layer, j, host)
 
 
-class BatchedCaches:
-    """The caches of B tasks whose decode steps run as one forward pass (generate.decode_batch),
-    behind the one cache's interface the model knows: row i of the step is task i's next token,
-    at task i's own position, attended over task i's own chunks."""
-
-    def __init__(self, caches):
-        self.caches = caches
-        self.windows = caches[0].windows  # one model: the same windows for every task
-
-    @property
-    def starts(self):
-        return tuple(c.length for c in self.caches)
-
-    def attend(self, layer, q, k, v):
-        """q [B, H, 1, D], k, v [B, G, 1, D], row i task i's -> [B, H, 1, D]."""
-        rows = [c.attend(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1])
-                for i, c in enumerate(self.caches)]
-        return torch.cat(rows)
-
-
 def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None,
-               kv_dtype="auto", selection=None):
+               kv_dtype="auto", selection=None, arena=None):
     """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an
     OffloadConfig) says, K and V held as kv_dtype says (KV_DTYPES), read as cfg.select chooses
     (or `selection`, a policy.py selection of the caller's). disk_path, restore and on_durable
-    are the resume hooks of runs/task.py (see TieredStore)."""
+    are the resume hooks of runs/task.py (see TieredStore); arena: the batch's (make_arena), which
+    the store takes where it can hold this cache's chunks (--offload none on CPU)."""
     model_args = model.args
     emb = model.tok_embeddings.weight
     layout = chunk_layout(kv_dtype, emb.dtype)
@@ -328,7 +309,7 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     store = TieredStore(shape=layout.shape(1, G, chunk_size, model_args.head_dim),
                         dtype=layout.dtype, n_layers=model_args.n_layers, max_length=max_length,
                         device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
-                        on_durable=on_durable)
+                        on_durable=on_durable, arena=arena)
     if selection is None:
         selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
                                    model_args.n_layers, cfg.select_dense)

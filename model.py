@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         """tokens [B, T] -> logits [B, T, V] ([B, 1, V] with last_only: prefill needs no more, and
         the output matrix over every position of a long prompt costs as much as attention). With a
         cache, the tokens continue where it stands: cache.starts gives the first position of every
-        row (one for all rows, or one per row: kvcache.BatchedCaches, B tasks' decode steps at once,
+        row (one for all rows, or one per row: kvbatch.BatchedCaches, B tasks' decode steps at once,
         generate.decode_batch)."""
         B, T = tokens.shape
         windows = self.args.layer_windows

@@ -99,7 +99,7 @@ class TieredStore(Prefetcher):
     every layer are on disk and synced, with their checksums."""
 
     def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None,
-                 restore=None, on_durable=None, placement=None):
+                 restore=None, on_durable=None, placement=None, arena=None):
         C = shape[3]
         if cfg.mode not in MODES or cfg.compress not in COMPRESSIONS:
             raise OffloadError(f"--offload must be one of {MODES} and --compress one of "
@@ -185,6 +185,15 @@ class TieredStore(Prefetcher):
             self.bounce_free = queue.Queue()
             for b in self.write_bounces.slots:
                 self.bounce_free.put(b)
+        # a batch's arena (pools.SharedArena), where it can hold this task: with --offload none
+        # on CPU every chunk stays in it, so the batch's chunks of a layer are one tensor
+        self.arena = None
+        self.arena_index = None
+        if arena is not None and cfg.mode == "none" and not self.cuda:
+            self.arena_index = arena.join(self.n_chunks, shape, dtype, self.device)
+            if self.arena_index is not None:
+                self.arena = arena
+                self.chunks.shared = (arena, self.arena_index)
 
     def count(self, key, n):
         with self.count_lock:  # the reader, the writer and the main thread all count
@@ -404,3 +413,6 @@ class TieredStore(Prefetcher):
             self.disk.close()
         if self.own_dir and not self.cfg.keep_files:
             shutil.rmtree(self.own_dir, ignore_errors=True)
+        if self.arena is not None:  # its slots go to the next task that joins
+            self.arena.leave(self.arena_index)
+            self.arena = None

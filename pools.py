@@ -4,6 +4,7 @@ chunk lives (Loc), what must finish before a buffer is reused (Fence), chunk all
 alignment in every tier, the host pool (pinned on CUDA by registering its exact bytes) and the
 staging slots and group buffers prefetched chunks land in.
 """
+import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -116,7 +117,7 @@ class DeviceChunks:
     its pages are touched only as chunks fill). And the group buffer, GROUP_CHUNKS slots that a
     group is copied into when it is not one view."""
 
-    def __init__(self, n_layers, n_chunks, shape, dtype, device, mode):
+    def __init__(self, n_layers, n_chunks, shape, dtype, device, mode, shared=None):
         self.n_chunks = n_chunks
         self.shape = shape
         self.dtype = dtype
@@ -130,6 +131,8 @@ class DeviceChunks:
         self.group_slots = 0
         self.runs = chunk_runs
         self.kept_runs = {}  # (layer, first chunk, chunks) -> (their Locs, their runs)
+        # (SharedArena, this task's index in it): the arenas are the batch's (mode none only)
+        self.shared = shared
 
     def take(self, layer):
         """A chunk buffer for layer's next open chunk: one given back, else a new one."""
@@ -145,9 +148,13 @@ class DeviceChunks:
         if self.flats is None:
             return alloc_chunks(1, self.shape, self.dtype, self.device)[1][0]
         if self.flats[layer] is None:
-            self.flats[layer], chunks = alloc_chunks(self.n_chunks, self.shape, self.dtype,
-                                                     self.device)
-            self.chunks[layer] = chunks[::-1]  # popped from the end: slot 0 first
+            if self.shared is None:
+                self.flats[layer], chunks = alloc_chunks(self.n_chunks, self.shape, self.dtype,
+                                                         self.device)
+            else:  # this task's slots of the batch's arena, tasks apart
+                arena, i = self.shared
+                self.flats[layer], chunks = arena.task_chunks(layer, i)
+            self.chunks[layer] = chunks[:self.n_chunks][::-1]  # popped from the end: slot 0 first
         return self.chunks[layer].pop()
 
     def runs_of(self, key, locs, cut):
@@ -180,6 +187,66 @@ class DeviceChunks:
             self.group[i].copy_(chunks[i] if chunks else load(j))
             release(j)
         return self.group[:len(js)]
+
+
+class SharedArena:
+    """The arenas of up to `tasks` tasks that decode together (a batch's caches with --offload none
+    on CPU: bench.py's batches, batcher.Batcher's tasks), one buffer per layer, task i's chunk j in
+    slot j * tasks + i. A task's chunks still follow at one stride (`tasks` slots), so its groups
+    are views as in an arena of its own; and chunk j of every task lies beside the others', so one
+    kernel call attends the sealed chunks of the whole batch (grid; kvbatch.BatchedCaches): a
+    decode step's calls per layer fall from one per task to one. A layer's buffer is made at the
+    first chunk a task opens in it, its pages touched only as chunks fill; a task's index is
+    taken as its store is made (join) and given back as it closes (leave), so a task that joins
+    later reuses the slots of one that finished, over what that task wrote."""
+
+    def __init__(self, tasks, n_chunks, shape, dtype, device):
+        self.tasks = tasks          # task indices
+        self.n_chunks = n_chunks    # chunks a layer holds per task
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.flats = {}             # layer -> (flat uint8 buffer, its chunk tensors in slot order)
+        self.grids = {}             # (layer, n) -> grid(layer, n)
+        self.free = list(range(tasks - 1, -1, -1))  # indices no task holds, lowest last
+        self.lock = threading.Lock()  # batch tasks make their stores on threads of their own
+
+    def join(self, n_chunks, shape, dtype, device):
+        """An index for a task whose chunks have this shape, dtype and device and that needs
+        n_chunks a layer, or None: the arena is full, or its chunks are not the task's."""
+        if (n_chunks > self.n_chunks or tuple(shape) != self.shape or dtype != self.dtype
+                or torch.device(device) != self.device):
+            return None
+        with self.lock:
+            return self.free.pop() if self.free else None
+
+    def leave(self, i):
+        with self.lock:
+            self.free.append(i)
+            self.free.sort(reverse=True)  # the lowest index next: a batch stays at the front
+
+    def layer(self, layer):
+        """(flat buffer, chunk tensors in slot order) of layer, made at its first use."""
+        with self.lock:
+            if layer not in self.flats:
+                self.flats[layer] = alloc_chunks(self.n_chunks * self.tasks, self.shape,
+                                                 self.dtype, self.device)
+            return self.flats[layer]
+
+    def task_chunks(self, layer, i):
+        """(flat buffer, task i's chunk tensors of layer, chunk j at j)."""
+        flat, chunks = self.layer(layer)
+        return flat, chunks[i::self.tasks]
+
+    def grid(self, layer, n):
+        """Chunks 0..n-1 of every task index, one view [n * tasks, *shape]: row j * tasks + i is
+        task i's chunk j (those of an index no task holds, or past a task's sealed chunks, hold
+        whatever was written there last)."""
+        view = self.grids.get((layer, n))
+        if view is None:  # made once: every decode step of the batch asks for it
+            flat, chunks = self.layer(layer)
+            view = self.grids[(layer, n)] = group_view(chunks[:n * self.tasks], flat)
+        return view
 
 
 class HostPool:

@@ -19,7 +19,9 @@ So each operation a step shares across rows is kept row-invariant in one of thre
   neg, a cast, a copy) gives an element the same bits whatever kernel, vector width or thread split
   computes it: the residual adds, RoPE's rotation (separate mul and add, no fused multiply-add), the
   norm's scaling, a linear's bias, the embedding (a gather) and the fp32 cast of the logits need
-  nothing here. Attention runs per task (kvcache.BatchedCaches); a speculative step's positions
+  nothing here. Attention keeps each task's chunks, open chunk and merge its own
+  (kvbatch.BatchedCaches: where tasks share a kernel call, each is an element of its batch, and
+  their merges share a call only where `rows` vouches for it); a speculative step's positions
   share a chunk's kernel call only where `shared_rows` vouches for it.
 - A check that a reordering cannot pass (`linear`, `rows`): decided once per kind of operation,
   weight shape and layout, input shape and layout, dtype, device and thread count, on probes built

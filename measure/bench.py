@@ -43,6 +43,7 @@ import torch
 from checkpoint import CheckpointError
 from disk import DiskError
 from generate import decode_batch, prefill
+from kvbatch import make_arena
 from kvcache import make_cache
 from kvlayout import kv_bytes_per_token
 from measure import llamacpp, probe
@@ -143,8 +144,10 @@ def run_batches(model, hf, args, ctx):
 def ours_batch(model, prompts, args):
     device = model.tok_embeddings.weight.device
     length = prompts[0].shape[1] + args.new_tokens + 1
-    caches = [make_cache(model, OffloadConfig(), args.chunk_size, length, kv_dtype=args.kv_dtype)
-              for _ in prompts]
+    # one arena for the batch's chunks, as a --prompts job with --offload none has on CPU
+    arena = make_arena(model, len(prompts), args.chunk_size, length, args.kv_dtype)
+    caches = [make_cache(model, OffloadConfig(), args.chunk_size, length, kv_dtype=args.kv_dtype,
+                         arena=arena) for _ in prompts]
     try:
         logits = torch.cat([prefill(model, c, p.to(device)) for c, p in zip(caches, prompts)])
         sync(device)

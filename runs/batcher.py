@@ -26,8 +26,11 @@ from generate import decode_batch, decode_one_token, forward
 
 
 class Batcher:
-    def __init__(self, model):
+    def __init__(self, model, arena=None):
         self.model = model
+        # the arena the tasks' caches share (kvbatch.make_arena): one kernel call a layer attends
+        # every task's sealed chunks (kvbatch.BatchedCaches)
+        self.arena = arena
         self.cond = threading.Condition()
         self.decoding = set()  # caches of the tasks in their decode phase
         self.waiting = {}      # cache -> token [1, 1]: decode steps waiting for the next batch

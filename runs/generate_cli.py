@@ -20,6 +20,7 @@ import threading
 from checkpoint import CheckpointError
 from disk import ALIGN, round_up
 from generate import SEED_LIMIT, Sampling
+from kvbatch import make_arena
 from kvlayout import kv_chunk_bytes
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
@@ -397,7 +398,12 @@ def generate_main(args):
         draft = speculation.load_draft(args, args.device, DTYPES[args.dtype])
         guesser = speculation.factory(args, draft)
         set_threads(args, watch, log)  # other processes' load measured while the model loaded
-        batcher = Batcher(model) if args.batch_size > 1 else None
+        batcher = None
+        if args.batch_size > 1:  # with --offload none on CPU the tasks' chunks share one arena
+            cap = args.max_length or model.args.max_context
+            arena = None if cfg.mode != "none" else make_arena(
+                model, args.batch_size, args.chunk_size, cap, args.kv_dtype)
+            batcher = Batcher(model, arena)
         if args.rope_scaling and layout.rank == 0:
             log(rope_override_note(model.args, read_model_args(args.ckpt)))
         fallbacks = int4_fallbacks(model)  # int4 layers no kernel takes: said once

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import verify
 from checkpoint import CheckpointError
 from generate import Sampling
+from kvbatch import make_arena
 from offload import OffloadConfig
 from pools import OffloadError
 from rowwise import decisions
@@ -132,8 +133,8 @@ class Gate:
 class GatedBatcher(Batcher):
     """A Batcher that tells its Gate when a task's decode step reaches it."""
 
-    def __init__(self, model, gate):
-        super().__init__(model)
+    def __init__(self, model, gate, arena=None):
+        super().__init__(model, arena)
         self.gate = gate
 
     def step(self, model, cache, tokens, decode=False):
@@ -147,7 +148,12 @@ def run_batched(model, prompts, mode, args):
     what run_mode returns, and every row count a decode step ran with. Task i makes
     batch_new_tokens(--max-new-tokens, i) tokens."""
     gate = Gate(len(prompts))
-    batcher = GatedBatcher(model, gate)
+    # as a --prompts job runs it: with --offload none on CPU the tasks' chunks share one arena
+    longest = max(len(q) + batch_new_tokens(args.max_new_tokens, i) for i, q in enumerate(prompts))
+    arena = None
+    if mode_config(mode, args).mode == "none":
+        arena = make_arena(model, len(prompts), args.chunk_size, longest, args.kv_dtype)
+    batcher = GatedBatcher(model, gate, arena)
 
     def one(i):
         gate.here.task = i

@@ -139,7 +139,7 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
         c = make_cache(model, cfg, chunk_size, len(prompt_ids) + max_new_tokens,
                        taskdir and taskdir.path, restore=manifest["chunks"] if n else None,
                        on_durable=durable if taskdir and fingerprint else None,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, arena=batcher and batcher.arena)
         if not n:
             return c, 0
         return c, c.store.restore(n, manifest["chunks"])

@@ -14,6 +14,7 @@ import torch
 
 import disk
 import fewrows
+import kvbatch
 import model as model_module
 import rowwise
 from generate import decode_batch, decode_one_token, prefill
@@ -272,3 +273,100 @@ def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_
     rc = proofs.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1 and "MISMATCH batch none task" in out and "FAILED" in out, out
+
+
+# -----------------------------------------------------------------------------
+# tasks whose chunks share one arena (--offload none on CPU): one kernel call a layer
+
+ARENA_PROMPTS = (40, 45, 40, 33, 40)  # near lengths: the grid pays; three at one offset
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "int4", "half"])
+def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dtype,
+                                                                    monkeypatch):
+    """Five tasks in an arena of six indices, at positions 33 to 45, decode together: each step
+    attends every task's sealed chunks of a layer in one kernel call (the grid) and the open
+    chunks of the three at one offset in another (int8 KV: a task at a time), and every row
+    equals, bit for bit, the task's logits alone; K and V held as the model computes them, in int8,
+    int4, or a half precision not the model's. Midway one task leaves and a new one takes its
+    index, over its chunks."""
+    if kv_dtype == "half":  # K and V held in a half precision not the model's
+        kv_dtype = "fp16" if model.output.weight.dtype == torch.bfloat16 else "bf16"
+    calls = {"grid": 0, "open rows": 0}
+    sealed_grid = kvbatch.BatchedCaches.sealed_grid
+    open_chunk = kvbatch.attend_open_chunk
+
+    def counted_grid(self, layer, q, n, index):
+        calls["grid"] += 1
+        return sealed_grid(self, layer, q, n, index)
+
+    def counted_open(q, *args):
+        calls["open rows"] += q.shape[0] > 1
+        return open_chunk(q, *args)
+    monkeypatch.setattr(kvbatch.BatchedCaches, "sealed_grid", counted_grid)
+    monkeypatch.setattr(kvbatch, "attend_open_chunk", counted_open)
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, model.args.vocab_size, (1, n), generator=g) for n in ARENA_PROMPTS]
+    late = torch.randint(3, model.args.vocab_size, (1, 44), generator=g)
+    none = OffloadConfig()
+
+    def lone(p, steps):
+        cache = make_cache(model, none, C, 200, kv_dtype=kv_dtype)
+        logits = prefill(model, cache, p)
+        seen = []
+        for _ in range(steps):
+            seen.append(logits.clone())
+            logits = decode_one_token(model, cache, logits.argmax(-1, keepdim=True))
+        cache.store.close()
+        return seen
+    ref = [lone(p, STEPS) for p in ids]
+    ref_late = lone(late, STEPS // 2)
+    arena = kvbatch.make_arena(model, 6, C, 200, kv_dtype)
+    caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
+    assert [c.store.arena_index for c in caches] == [0, 1, 2, 3, 4]
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
+    seen = [[] for _ in ids]
+    for step in range(STEPS):
+        if step == STEPS // 2:  # task 1 leaves; a new task takes its index and its chunks
+            caches[1].store.close()
+            caches[1] = make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena)
+            assert caches[1].store.arena_index == 1
+            logits = torch.cat([logits[:1], prefill(model, caches[1], late), logits[2:]])
+        for i in range(len(ids)):
+            seen[i].append(logits[i:i + 1].clone())
+        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
+        assert not failed
+    for i in range(len(ids)):
+        want = ref[i] if i != 1 else ref[1][:STEPS // 2] + ref_late
+        for step, (a, b) in enumerate(zip(seen[i], want)):
+            assert torch.equal(a, b), f"task {i}, step {step}"
+    assert calls["grid"] == STEPS * model.args.n_layers   # one sealed call a layer, every step
+    # some steps' open chunks in one call, where the layout's open chunk is a view (not int8, int4)
+    assert (calls["open rows"] > 0) == (kv_dtype not in ("int8", "int4"))
+    for c in caches:
+        c.store.close()
+    assert sorted(arena.free) == list(range(6))
+
+
+def test_a_job_without_offload_shares_an_arena(text_ckpt, tmp_path, capsys, monkeypatch):
+    """A --prompts job with --offload none (the default with --ckpt): its tasks' caches share one
+    arena, their sealed chunks are attended a layer at a time in one call, and every result line
+    equals --batch-size 1's."""
+    calls = []
+    sealed_grid = kvbatch.BatchedCaches.sealed_grid
+
+    def counted(self, layer, q, n, index):
+        calls.append(q.shape[0])
+        return sealed_grid(self, layer, q, n, index)
+    monkeypatch.setattr(kvbatch.BatchedCaches, "sealed_grid", counted)
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [dict(t, max_new_tokens=24) for t in MIXED])
+    results = {}
+    for n in (1, 3):
+        out = tmp_path / f"r{n}.jsonl"
+        argv = batch_args(text_ckpt, tasks, out, tmp_path / f"off{n}", "--offload", "none",
+                          "--chunk-size", C, "--dtype", "bf16", "--batch-size", n)
+        rc, err = run_main(argv, capsys)
+        assert rc == 0, err
+        results[n] = {k: r["tokens"] for k, r in by_id(out).items()}
+    assert results[3] == results[1]
+    assert calls and max(calls) == 3, calls  # decode steps of three tasks, one call a layer

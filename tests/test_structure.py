@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The top level: the core in reading order, what it leans on, and the commands a user types. The
 # operations live in folders (FOLDERS), which import the top level and never the other way round.
-CORE = ("generate", "speculate", "kvcache", "attention", "fewrows", "policy", "offload",
+CORE = ("generate", "speculate", "kvcache", "kvbatch", "attention", "fewrows", "policy", "offload",
         "prefetch", "pools", "disk", "model", "verify")
 LEANS_ON = ("rope", "checkpoint", "kvlayout", "tokenizer", "quantize", "rowwise", "private")
 COMMANDS = ("bench", "probe", "tune", "doctor", "chat")  # thin files: a __main__ that hands over
