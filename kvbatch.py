@@ -131,6 +131,7 @@ class BatchedCaches:
         fp32, padded rows cut (attend_few's)."""
         B, G, R, D = q.shape
         I = self.arena.tasks
+        self.arena.grid_calls += 1
         k_g, v_g = self.caches[0].layout.read_group(self.arena.grid(layer, n))  # [n*I, 1, G, C, D]
         rows = padded_rows(q[:1], k_g)
         q_g = q.new_zeros(n, I, G, rows, D)                   # [n, I, G, rows, D]

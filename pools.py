@@ -208,6 +208,7 @@ class SharedArena:
         self.device = torch.device(device)
         self.flats = {}             # layer -> (flat uint8 buffer, its chunk tensors in slot order)
         self.grids = {}             # (layer, n) -> grid(layer, n)
+        self.grid_calls = 0         # layer steps attended through the grid (verify.py --batch)
         self.free = list(range(tasks - 1, -1, -1))  # indices no task holds, lowest last
         self.lock = threading.Lock()  # batch tasks make their stores on threads of their own
 

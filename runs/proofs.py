@@ -87,13 +87,11 @@ def run_as_task(model, ids, max_new, mode, args, kv_store=None, fingerprint=None
 
 
 def batch_prompts(ids, n):
-    """n prompts of different lengths and contents cut from ids: task i starts i / (2n) of the way
-    in and runs (i + 1) / n of the rest, so the tasks decode at different positions."""
-    out = []
-    for i in range(n):
-        start = len(ids) * i // (2 * n)
-        out.append(ids[start:start + max(1, (len(ids) - start) * (i + 1) // n)])
-    return out
+    """n prompts of different lengths and contents cut from ids: task i starts i / (3n) of the way
+    in and runs to the end, so the tasks decode at different positions, the shortest at two thirds
+    of the longest: near enough that with --offload none their steps take the shared arena's grid
+    (kvbatch.py), as a job's prompts of like lengths do."""
+    return [ids[len(ids) * i // (3 * n):] for i in range(n)]
 
 
 def batch_new_tokens(max_new, i):
@@ -145,8 +143,9 @@ class GatedBatcher(Batcher):
 
 def run_batched(model, prompts, mode, args):
     """The prompts as one batch of tasks in flight, their decode steps shared (batcher.py): per task
-    what run_mode returns, and every row count a decode step ran with. Task i makes
-    batch_new_tokens(--max-new-tokens, i) tokens."""
+    what run_mode returns, every row count a decode step ran with, and the layer steps whose
+    sealed chunks of every task were one kernel call (kvbatch.py's grid: --offload none on CPU).
+    Task i makes batch_new_tokens(--max-new-tokens, i) tokens."""
     gate = Gate(len(prompts))
     # as a --prompts job runs it: with --offload none on CPU the tasks' chunks share one arena
     longest = max(len(q) + batch_new_tokens(args.max_new_tokens, i) for i, q in enumerate(prompts))
@@ -167,7 +166,7 @@ def run_batched(model, prompts, mode, args):
             runs = list(pool.map(one, range(len(prompts))))
     finally:
         batcher.close()
-    return runs, sorted(batcher.sizes)
+    return runs, sorted(batcher.sizes), arena.grid_calls if arena else 0
 
 
 def rowwise_summary():
@@ -312,8 +311,8 @@ def run(args):
                                  task=f"_a{i}")
                      for i, q in enumerate(prompts)]
             for m in ["none"] + modes:
-                tasks, sizes = run_batched(model, prompts, m, args)
-                batched[m] = ([verify.compare(a, b) for a, b in zip(alone, tasks)], sizes)
+                tasks, sizes, grid = run_batched(model, prompts, m, args)
+                batched[m] = ([verify.compare(a, b) for a, b in zip(alone, tasks)], sizes, grid)
     except (UsageError, CheckpointError, OffloadError, ValueError) as e:
         launch.refuse(f"verify.py: error: {e}", layout)
         return 2
@@ -329,7 +328,7 @@ def run(args):
                      "chunks_read_per_decode_step": st["chunks_read_per_decode_step"],
                      "reused_tokens": st.get("reused_tokens", 0),
                      "speculation": st.get("speculation")}
-    for m, (task_diffs, sizes) in batched.items():
+    for m, (task_diffs, sizes, _) in batched.items():
         # every task its own bits, in decode steps of every size from 1 to --batch
         ok &= all(d is None for d in task_diffs) and not missing_sizes(args.batch, sizes)
     if kv_store and not report["reuse"]["reused_tokens"]:  # nothing reused would prove nothing
@@ -355,8 +354,8 @@ def run(args):
                           "kv_dtype": args.kv_dtype, "select": select_fields(args),
                           "modes": report, "unchunked": unchunked,
                           "batch": {m: {"identical_to_alone": [d is None for d in d_],
-                                        "tasks_per_step": sizes}
-                                    for m, (d_, sizes) in batched.items()},
+                                        "tasks_per_step": sizes, "grid_layer_steps": grid}
+                                    for m, (d_, sizes, grid) in batched.items()},
                           "rowwise": [{"what": w, "rows": r, "one_call": one}
                                       for w, r, one in decisions()]}))
     else:
@@ -415,11 +414,12 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
             print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely "
                   "causes: a chunk read back at the wrong position or from a stale slot (a "
                   "missing stream wait), or a dtype change across tiers.")
-    for m, (diffs, sizes) in batched.items():
+    for m, (diffs, sizes, grid) in batched.items():
         same = sum(d is None for d in diffs)
+        shared = f"; {grid} layer steps attended every task's chunks in one call" if grid else ""
         print(f"batch of {args.batch}, {m}: {same} of {len(diffs)} tasks bit-identical to "
               f"themselves alone with --offload none; decode steps of "
-              f"{', '.join(map(str, sizes))} tasks")
+              f"{', '.join(map(str, sizes))} tasks{shared}")
         missing = missing_sizes(args.batch, sizes)
         if missing:
             print(f"NOT PROVEN batch {m}: no decode step of {', '.join(map(str, missing))} "

@@ -201,11 +201,17 @@ VERIFY = ["--chunk-size", "16", "--window", "1", "--max-new-tokens", "24",
 
 
 def test_verify_batch_proves_every_task_equals_itself_alone(text_ckpt, tmp_path, capsys):
+    """Every task of the batch equals itself alone, with --offload none through the shared arena's
+    grid (every task's sealed chunks of a layer in one call) and with a disk tier a task at a
+    time."""
     rc = proofs.main(["--ckpt", text_ckpt, *VERIFY, "--offload-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    for mode in ("none", "disk"):
-        assert f"batch of 3, {mode}: 3 of 3 tasks bit-identical" in out, out
+    lines = {mode: next(line for line in out.splitlines() if f"batch of 3, {mode}:" in line)
+             for mode in ("none", "disk")}
+    for mode, line in lines.items():
+        assert "3 of 3 tasks bit-identical" in line, out
+        assert ("attended every task's chunks in one call" in line) == (mode == "none"), out
 
 
 @pytest.mark.parametrize("extra", [["--batch", "3"], ["--speculate", "lookup:3"]],
