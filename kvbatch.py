@@ -89,8 +89,8 @@ class BatchedCaches:
         the arena (n the most any task has sealed), each with the queries of the task at that
         index (zero where none); the tasks whose open chunk is the same chunk, with the position at
         the same offset, written and attended as one row of the arena where they are at least half
-        of it (else a task at a time, as KVCache.attend does); the partials of tasks at the same
-        chunk and offset merged in one call where probes show each task the bits of its own merge
+        of it (else a task at a time, as KVCache.attend does); the partials of tasks with as many
+        sealed chunks merged in one call where probes show each task the bits of its own merge
         (rowwise.rows). A task's partials, open chunk and merge are those KVCache.attend computes,
         bit for bit."""
         B, H, T, D = q.shape
@@ -98,14 +98,17 @@ class BatchedCaches:
         R = H // G
         q = (q * (1.0 / math.sqrt(D))).reshape(B, G, R, D)    # KVCache.attend's, a task a row
         index, alike = self.plan()
-        n = max(n_b for n_b, _ in alike)
+        n = max(alike)
         sealed = self.sealed_grid(layer, q, n, index) if n else None
         out = torch.empty(B, G, R, D, dtype=q.dtype)
-        for (n_b, off), (rows_b, at, at_i) in alike.items():
-            for b in rows_b:
-                self.caches[b].count(layer, 0, n_b, n_b)
-            o, lse = self.open_partials(layer, q, k, v, n_b, off, rows_b, at, at_i)
-            o, lse = o[:, None], lse[:, None]                        # [B', 1, G, R, (D)]
+        for n_b, (offsets, at, at_i) in alike.items():
+            opened = []
+            for off, rows_b in offsets.items():
+                for b in rows_b:
+                    self.caches[b].count(layer, 0, n_b, n_b)
+                opened.append(self.open_partials(layer, q, k, v, n_b, off, rows_b))
+            o = torch.cat([o for o, _ in opened])[:, None]          # [B', 1, G, R, D]
+            lse = torch.cat([lse for _, lse in opened])[:, None]    # [B', 1, G, R]
             if n_b:  # the sealed partials first, as attention's order has them
                 o = torch.cat([sealed[0][:n_b, at_i].transpose(0, 1), o], 1)   # [B', n_b+1, ...]
                 lse = torch.cat([sealed[1][:n_b, at_i].transpose(0, 1), lse], 1)
@@ -114,15 +117,20 @@ class BatchedCaches:
         return out.reshape(B, H, T, D)
 
     def plan(self):
-        """This step's (arena index of every task [B], {(sealed chunks, offset of the position):
-        (the tasks' rows, as a tensor [B'], their arena indices [B'])}), made at its first layer."""
+        """This step's (arena index of every task [B], {sealed chunks: ({offset of the position:
+        the tasks' rows}, those rows in that order [B'], their arena indices [B'])}), made at its
+        first layer."""
         if self.planned is None:
             index = torch.tensor([c.store.arena_index for c in self.caches])   # [B]
             alike = {}
             for b, c in enumerate(self.caches):
-                alike.setdefault((c.n_sealed, c.length % c.chunk_size), []).append(b)
-            self.planned = index, {key: (rows_b, torch.tensor(rows_b), index[rows_b])
-                                   for key, rows_b in alike.items()}
+                offsets = alike.setdefault(c.n_sealed, {})
+                offsets.setdefault(c.length % c.chunk_size, []).append(b)
+            plan = {}
+            for n_b, offsets in alike.items():
+                at = torch.tensor([b for rows_b in offsets.values() for b in rows_b])
+                plan[n_b] = (offsets, at, index[at])
+            self.planned = index, plan
         return self.planned
 
     def sealed_grid(self, layer, q, n, index):
@@ -139,14 +147,13 @@ class BatchedCaches:
         o, lse = attend_chunks(q_g.view(n * I, 1, G, rows, D), k_g, v_g)
         return o.view(n, I, G, rows, D)[..., :R, :], lse.view(n, I, G, rows)[..., :R]
 
-    def open_partials(self, layer, q, k, v, n_b, off, rows_b, at, at_i):
-        """Write the position of the tasks at rows_b (at: the same as a tensor, at_i: their arena
-        indices), whose open chunk is chunk n_b and whose position is its offset off, and return
-        their open chunk's partials (o [B', G, R, D], lse [B', G, R]) fp32. As one row of the
-        arena (every index's chunk n_b: one copy of K and V into the tasks' slots, one call over
-        the first off+1 positions, each index with its task's queries) where those tasks are at
-        least half of the row and their layout's chunks are views; else a task at a time, as
-        KVCache.attend writes and attends."""
+    def open_partials(self, layer, q, k, v, n_b, off, rows_b):
+        """Write the position of the tasks at rows_b, whose open chunk is chunk n_b and whose
+        position is its offset off, and return their open chunk's partials (o [B', G, R, D], lse
+        [B', G, R]) fp32, in rows_b's order. As one row of the arena (every index's chunk n_b: one
+        copy of K and V into the tasks' slots, one call over the first off+1 positions, each index
+        with its task's queries) where those tasks are at least half of the row and their layout's
+        chunks are views; else a task at a time, as KVCache.attend writes and attends."""
         G, R = q.shape[1], q.shape[2]
         arena = self.arena
         caches = [self.caches[b] for b in rows_b]
@@ -156,6 +163,8 @@ class BatchedCaches:
             opened = [c.store.open_chunk(layer).data_ptr() for c in caches]
             if opened == [slots[n_b * arena.tasks + c.store.arena_index].data_ptr()
                           for c in caches]:
+                at = torch.tensor(rows_b)
+                at_i = torch.tensor([c.store.arena_index for c in caches])
                 row = arena.grid(layer, n_b + 1)[n_b * arena.tasks:]   # [I, 2, 1, G, C, D]
                 chunk = row.transpose(0, 1).flatten(1, 2)              # [2, I, G, C, D]
                 new = torch.stack([k[at], v[at]], 1)[:, :, :, 0]       # [B', 2, G, D]

@@ -291,16 +291,23 @@ ARENA_PROMPTS = (40, 45, 40, 33, 40)  # near lengths: the grid pays; three at on
 def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dtype,
                                                                     monkeypatch):
     """Five tasks in an arena of six indices, at positions 33 to 45, decode together: each step
-    attends every task's sealed chunks of a layer in one kernel call (the grid) and the open
-    chunks of the three at one offset in another (int8 KV: a task at a time), and every row
+    attends every task's sealed chunks of a layer in one kernel call (the grid), the open chunks
+    of the three at one offset in another (int8 and int4 KV: a task at a time) and merges the
+    four with as many sealed chunks in a third, and every row
     equals, bit for bit, the task's logits alone; K and V held as the model computes them, in int8,
     int4, or a half precision not the model's. Midway one task leaves and a new one takes its
     index, over its chunks."""
     if kv_dtype == "half":  # K and V held in a half precision not the model's
         kv_dtype = "fp16" if model.output.weight.dtype == torch.bfloat16 else "bf16"
-    calls = {"grid": 0, "open rows": 0}
+    calls = {"grid": 0, "open rows": 0, "merged": 0}
     sealed_grid = kvbatch.BatchedCaches.sealed_grid
     open_chunk = kvbatch.attend_open_chunk
+    rows = kvbatch.rows
+
+    def counted_rows(fn, key, o, lse):
+        calls["merged"] = max(calls["merged"], o.shape[0])
+        return rows(fn, key, o, lse)
+    monkeypatch.setattr(kvbatch, "rows", counted_rows)
 
     def counted_grid(self, layer, q, n, index):
         calls["grid"] += 1
@@ -347,6 +354,7 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
         for step, (a, b) in enumerate(zip(seen[i], want)):
             assert torch.equal(a, b), f"task {i}, step {step}"
     assert calls["grid"] == STEPS * model.args.n_layers   # one sealed call a layer, every step
+    assert calls["merged"] >= 4  # tasks with as many sealed chunks, at other offsets: one merge
     # some steps' open chunks in one call, where the layout's open chunk is a view (not int8, int4)
     assert (calls["open rows"] > 0) == (kv_dtype not in ("int8", "int4"))
     for c in caches:
