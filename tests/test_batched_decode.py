@@ -46,12 +46,12 @@ def cfg(i, tmp):
     return OffloadConfig(offload_dir=str(tmp), **CFGS[i % len(CFGS)])
 
 
-def alone(model, ids, config):
+def alone(model, ids, config, steps=STEPS, kv_dtype="auto"):
     """Greedy decode of one task by itself: the logits of every step."""
-    cache = make_cache(model, config, C, 200)
+    cache = make_cache(model, config, C, 200, kv_dtype=kv_dtype)
     logits = prefill(model, cache, ids)
     seen = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         seen.append(logits.clone())
         logits = decode_one_token(model, cache, logits.argmax(-1, keepdim=True))
     cache.store.close()
@@ -322,18 +322,8 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
     ids = [torch.randint(3, model.args.vocab_size, (1, n), generator=g) for n in ARENA_PROMPTS]
     late = torch.randint(3, model.args.vocab_size, (1, 44), generator=g)
     none = OffloadConfig()
-
-    def lone(p, steps):
-        cache = make_cache(model, none, C, 200, kv_dtype=kv_dtype)
-        logits = prefill(model, cache, p)
-        seen = []
-        for _ in range(steps):
-            seen.append(logits.clone())
-            logits = decode_one_token(model, cache, logits.argmax(-1, keepdim=True))
-        cache.store.close()
-        return seen
-    ref = [lone(p, STEPS) for p in ids]
-    ref_late = lone(late, STEPS // 2)
+    ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
+    ref_late = alone(model, late, none, STEPS // 2, kv_dtype)
     arena = kvbatch.make_arena(model, 6, C, 200, kv_dtype)
     caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
     assert [c.store.arena_index for c in caches] == [0, 1, 2, 3, 4]
