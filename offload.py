@@ -96,7 +96,8 @@ class TieredStore(Prefetcher):
     one meaning: shape/dtype of a chunk, n_layers, max_length (positions the task may reach),
     device, cfg (OffloadConfig); disk_path (the task's directory), restore (a manifest's "chunks",
     to resume from) and on_durable(n, chunks), called on the writer thread once chunks 0..n-1 of
-    every layer are on disk and synced, with their checksums."""
+    every layer are on disk and synced, with their checksums; placement (policy.Placement); arena
+    (a batch's pools.SharedArena, which holds the device chunks with --offload none on CPU)."""
 
     def __init__(self, *, shape, dtype, n_layers, max_length, device, cfg, disk_path=None,
                  restore=None, on_durable=None, placement=None, arena=None):
