@@ -89,7 +89,8 @@ def decode_batch(model, caches, tokens):
     """A decode step of N tasks at once: tokens [N, 1], row i the next token of the task whose
     cache is caches[i] -> logits [N, V]. The embedding, the norms and every linear see N rows, so
     each weight is read once for N tokens (rowwise.py keeps every row's bits its own); attention
-    runs per task, over that task's chunks. Row i's logits are the bits decode_one_token gives
+    reads each task's own chunks, every task's in one kernel call a layer where their caches share
+    an arena (kvbatch.py). Row i's logits are the bits decode_one_token gives
     task i alone. A task whose store fails as its chunk seals is reported, not raised:
     returns (logits [N, V], {i: the exception})."""
     for cache in caches:
