@@ -26,8 +26,8 @@ import torch
 from attention import attend_chunks, attend_open_chunk, padded_rows
 from disk import ALIGN, round_up
 from fewrows import few_rows_kernel
-from kvcache import MERGE_GROUP_BYTES
-from kvlayout import PlainLayout, chunk_layout
+from kvcache import MERGE_GROUP_BYTES, chunk_spec
+from kvlayout import PlainLayout
 from pools import SharedArena
 from rowwise import rows
 
@@ -202,9 +202,7 @@ def make_arena(model, tasks, chunk_size, max_length, kv_dtype="auto"):
     emb = model.tok_embeddings.weight
     if not emb.is_cpu or tasks < 2:
         return None
-    layout = chunk_layout(kv_dtype, emb.dtype)
-    G = model.layers[0].attention.wk.out_features // model.args.head_dim
-    shape = layout.shape(1, G, chunk_size, model.args.head_dim)
+    layout, shape = chunk_spec(model, chunk_size, kv_dtype)
     slot = round_up(math.prod(shape) * torch.empty((), dtype=layout.dtype).element_size(), ALIGN)
     n_chunks = -(-max_length // chunk_size)
     room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

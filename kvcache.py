@@ -294,6 +294,15 @@ class KVCache:
                 self.summarize(layer, j, host)
 
 
+def chunk_spec(model, chunk_size, kv_dtype="auto"):
+    """(the layout of model's chunks with K and V held as kv_dtype says, a chunk's shape): what a
+    store of this model's chunks holds (make_cache) and a batch's arena (kvbatch.make_arena)."""
+    layout = chunk_layout(kv_dtype, model.tok_embeddings.weight.dtype)
+    # this rank's kv heads (all of them without tensor parallel)
+    G = model.layers[0].attention.wk.out_features // model.args.head_dim
+    return layout, layout.shape(1, G, chunk_size, model.args.head_dim)
+
+
 def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None, on_durable=None,
                kv_dtype="auto", selection=None, arena=None):
     """A KVCache for `model` over max_length positions, its chunks stored as `cfg` (an
@@ -303,13 +312,11 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     the store takes where it can hold this cache's chunks (--offload none on CPU)."""
     model_args = model.args
     emb = model.tok_embeddings.weight
-    layout = chunk_layout(kv_dtype, emb.dtype)
-    # this rank's kv heads (all of them without tensor parallel)
-    G = model.layers[0].attention.wk.out_features // model_args.head_dim
-    store = TieredStore(shape=layout.shape(1, G, chunk_size, model_args.head_dim),
-                        dtype=layout.dtype, n_layers=model_args.n_layers, max_length=max_length,
-                        device=emb.device, cfg=cfg, disk_path=disk_path, restore=restore,
-                        on_durable=on_durable, arena=arena)
+    layout, shape = chunk_spec(model, chunk_size, kv_dtype)
+    G = shape[2]
+    store = TieredStore(shape=shape, dtype=layout.dtype, n_layers=model_args.n_layers,
+                        max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path,
+                        restore=restore, on_durable=on_durable, arena=arena)
     if selection is None:
         selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
                                    model_args.n_layers, cfg.select_dense)
