@@ -374,3 +374,45 @@ def test_a_job_without_offload_shares_an_arena(text_ckpt, tmp_path, capsys, monk
         results[n] = {k: r["tokens"] for k, r in by_id(out).items()}
     assert results[3] == results[1]
     assert calls and max(calls) == 3, calls  # decode steps of three tasks, one call a layer
+
+
+def test_the_grid_gives_each_task_its_own_bits_at_every_batch_size(model):
+    """BatchedCaches.attend through an arena of N indices against each task's own attend, for
+    every N from 2 to 16 (bf16 and fp32): K, V and queries heavy-tailed (normal times e^normal),
+    tasks at 40 to 44 positions, half of them at one offset (their open chunks as one row) and
+    all with as many sealed chunks (one merge of N, probed at each N). Each task's output has its
+    lone bits, and the grid, not a task at a time, computed them."""
+    g = torch.Generator().manual_seed(5)
+    dtype = model.output.weight.dtype
+    G = model.layers[0].attention.wk.out_features // model.args.head_dim
+    H, D = model.args.n_heads, model.args.head_dim
+    none = OffloadConfig()
+
+    def heavy(*shape):
+        return (torch.randn(*shape, generator=g) * torch.randn(*shape, generator=g).exp()).to(dtype)
+    for N in range(2, 17):
+        lengths = [40 if i % 2 == 0 else 40 + i % 5 for i in range(N)]
+        kv = [heavy(2, 1, G, n, D) for n in lengths]                 # each task's K and V so far
+        arena = kvbatch.make_arena(model, N, C, 64)
+        pairs = [[make_cache(model, none, C, 64, arena=a) for _ in lengths] for a in (None, arena)]
+        with torch.inference_mode():
+            for caches in pairs:
+                for c, x, n in zip(caches, kv, lengths):
+                    for start in range(0, n, C):              # chunk by chunk, as prefill writes
+                        m = min(C, n - start)
+                        c.begin(m)
+                        for layer in range(model.args.n_layers):
+                            c.layout.write(c.store.open_chunk(layer), start % C,
+                                           x[0, :, :, start:start + m], x[1, :, :, start:start + m])
+                        if c.commit():
+                            c.store.seal(c.n_sealed - 1)
+                    c.begin(1, decode=True)
+            q, k, v = heavy(N, H, 1, D), heavy(N, G, 1, D), heavy(N, G, 1, D)
+            alone = torch.cat([c.attend(0, q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                               for i, c in enumerate(pairs[0])])
+            together = kvbatch.BatchedCaches(pairs[1]).attend(0, q, k, v)
+        assert torch.equal(together, alone), N
+        assert arena.grid_calls == 1, N
+        for caches in pairs:
+            for c in caches:
+                c.store.close()
