@@ -6,13 +6,14 @@ the bits of the [1, T, ...] call (a multi-query step whose T positions must each
 step, as speculative verification needs, passes them as rows: [T, 1, ...]).
 
 Nothing promises it. A matmul's library picks its kernel, blocking and split of the sums from the
-row count (fp32 on this project's CPU, MKL: every row count from 2 up gives other bits than one row
-alone), and an element-wise kernel runs a vector body and a scalar tail that need not agree (fp32
-F.silu: 4% of values differ between the two), so where a row starts inside the call, or where the
-threads split it, decides its bits. A difference in the fp32 sums shows in a bf16 result only when
-it crosses a rounding boundary, so a product that changes its order at 7 rows passes most random
-probes: measured on a product that adds the two halves of K apart from 7 rows up, 7 of 20 normal
-probes saw it, and a trained model's weights make it rarer still. One probe decides nothing.
+row count (fp32 on Intel's CPUs, MKL: one row sums in one order, 2 to 15 rows in another, 16 rows
+of the larger weights in a third), and an element-wise kernel runs a vector body and a scalar
+tail that need not agree (fp32 F.silu: 4% of values differ between the two), so where a row starts
+inside the call, or where the threads split it, decides its bits. A difference in the fp32 sums
+shows in a bf16 result only when it crosses a rounding boundary, so a product that changes its
+order at 7 rows passes most random probes: measured on a product that adds the two halves of K
+apart from 7 rows up, 7 of 20 normal probes saw it, and a trained model's weights make it rarer
+still. One probe decides nothing.
 
 So each operation a step shares across rows is kept row-invariant in one of three ways:
 - By construction. An element-wise operation made of correctly rounded IEEE operations (add, mul,
@@ -33,8 +34,8 @@ So each operation a step shares across rows is kept row-invariant in one of thre
   the product above 96% of such outputs differ, so one probe of B x N outputs cannot miss it. A
   row function (the norm's statistic, SiLU times the up projection) is probed with values of
   magnitudes 2^-8 to 2^8 at every position, ROW_TRIALS times.
-- Rows a few at a time, or one at a time, where the check fails: `linear` tries groups of
-  SPLIT_COLUMNS rows down to 2 (each group size checked as above), then each row's call is exactly
+- Rows a few at a time, or one at a time, where the check fails: `linear` tries groups of B/2,
+  B/3, ... rows down to 2 (each group size checked as above), then each row's call is exactly
   the lone one (a fresh copy of the row, so even its alignment is the lone one's). A linear then
   reads its weight once per group or row (from the cache after the first, for a layer that fits);
   the measured cost is in docs/batches.md.
@@ -54,7 +55,11 @@ only, and the rows above keep that call as "alone". In half precision on a CPU w
 torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for
 2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
 row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
-rows rather than a product a row. Where oneDNN computes bf16 on AMX tiles (Intel Xeon 4th
+rows rather than a product a row. So does fp32 on Intel's CPUs, where MKL's one-row product (a
+threaded GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs
+10-20% of its read in the layers' products (the output matrix's is as fast), and a batch of 16
+reads each weight twice (two products of 8: 16 rows take a third order) instead of 16 times
+(docs/performance.md, round twenty-three). Where oneDNN computes bf16 on AMX tiles (Intel Xeon 4th
 generation and later), a product of up to WEIGHT_FIRST_ROWS rows is taken the other way round, the
 weight times the rows as columns (weight_first: torch.mv or torch.mm, whose product has the
 weight's N rows where F.linear's has the few rows, so the tiles' 16 rows are filled): a decode
@@ -75,7 +80,7 @@ import fewrows
 
 SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
 SPLIT_BLOCKS = 16
-SPLIT_COLUMNS = 3  # Linear's batched product: up to this many rows (see linear)
+SPLIT_COLUMNS = 3  # Linear's blocked product (blocked_fp32): up to this many rows
 WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
 WEIGHT_FIRST_ROWS = 16  # products of up to this many bf16 rows may take weight_first
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
@@ -87,10 +92,10 @@ _AMX = None      # whether oneDNN may compute bf16 on AMX tiles here (weight_fir
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose product of M <= SPLIT_COLUMNS rows on CPU in fp32 is one batched product of
-    the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x [K, M], n a function of N
-    only; and whose one-row product in half precision on CPU is that of two rows, the second zero,
-    where the library's one-row path sums in another order than its path for more rows
+    """nn.Linear whose product of M <= SPLIT_COLUMNS rows on CPU in fp32 is, where blocked_fp32,
+    one batched product of the weight's blocks of output rows: [M, K] x [N, K] as [n, N/n, K] x
+    [K, M], n a function of N only; and whose one-row product on CPU is that of two rows, the second
+    zero, where the library's one-row path sums in another order than its path for more rows
     (lone_row_padded), or a few rows as the weight times columns where that is faster and the
     same bits (weight_first): then one product serves a batch's or a verify step's rows. With
     --products compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is
@@ -110,7 +115,8 @@ class Linear(nn.Linear):
                 return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
             y = torch.mm(w, x.reshape(M, K).t())                     # [N, M]
             return y.t().contiguous().view(*x.shape[:-1], N)         # [..., N]
-        if M == 1 and w.dtype != torch.float32 and w.is_cpu and lone_row_padded(self, x):
+        if (M == 1 and w.is_cpu and (w.dtype != torch.float32 or not blocked_fp32(self, x))
+                and lone_row_padded(self, x)):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         if w.dtype == x.dtype and wide(x):
@@ -286,11 +292,14 @@ def split_blocks(N):
 
 def linear(layer, x):
     """layer(x) for x [B, T, K] whose B rows may be different tasks: each row's result is the one
-    it gets alone (B = 1: just the product)."""
+    it gets alone (B = 1: just the product). Where one product of the B rows does not give it, the
+    rows go in groups of the largest size that does (B/2, B/3, ... down to 2; MKL's fp32 product
+    of 16 rows on Intel's CPUs: two of 8), or one at a time."""
     B = x.shape[0]
     if B == 1 or one_product(layer, x):
         return layer(x)
-    for g in range(min(B, SPLIT_COLUMNS), 1, -1):  # groups of g rows, where g gives their bits
+    for g in sorted({-(-B // k) for k in range(2, B)} | {2}, reverse=True):  # B/2, B/3, ... 2
+        # groups of g rows, the largest size whose one product gives each row its bits
         x_g = x[:g].clone()
         if one_product(layer, x_g):
             return torch.cat([linear(layer, x[i:i + g].clone()) for i in range(0, B, g)])
@@ -312,11 +321,13 @@ def rows(fn, key, *xs):
 
 
 def lone_row_padded(layer, x):
-    """Whether layer's one-row product (x [..., K], one row, half precision, CPU) is taken as two
-    rows, the second zero: where the library's one-row product gives other bits than the same row
-    among others. Measured (AMD EPYC with AVX512-BF16, torch 2.13, oneDNN): bf16 products of K >=
-    1536 (1536, 2048, 4096, 14336) give one row other bits than that row in 2 to 16 rows, which all
-    agree with each other and with the row and a zero row; K <= 1024 agree at every count. Decided
+    """Whether layer's one-row product (x [..., K], one row, CPU; in fp32 only where blocked_fp32
+    does not take it) is taken as two rows, the second zero: where the library's one-row product
+    gives other bits than the same row among others. Measured (AMD EPYC with AVX512-BF16, torch
+    2.13, oneDNN): bf16 products of K >= 1536 (1536, 2048, 4096, 14336) give one row other bits than
+    that row in 2 to 16 rows, which all agree with each other and with the row and a zero row; K <=
+    1024 agree at every count. Intel Xeon (family 6 model 207, MKL), fp32: every shape of a
+    SmolLM2-135M layer and its output matrix gives one row other bits than 2 to 15 rows. Decided
     once per weight shape and layout, x's layout, dtype and thread count, on zero-sum probes (module
     docstring): a function of shapes and the machine, never of where a chunk lives."""
     w = layer.weight

@@ -133,23 +133,25 @@ class OneRowPath:
         return y.to(x.dtype).view(*x.shape[:-1], -1)                   # [..., N]
 
 
-def test_a_one_row_path_of_its_own_is_taken_as_two_rows(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_one_row_path_of_its_own_is_taken_as_two_rows(monkeypatch, dtype):
     """Where the one-row product sums in another order than the product of more rows, a lone row is
     computed as the row and a zero row: a batch's rows are then one product with their lone bits,
-    instead of a product a row."""
+    instead of a product a row. In fp32 this is MKL's one-row product on Intel's CPUs (on other
+    CPUs the blocked product takes fp32 rows, so this test says the CPU is Intel's)."""
     fake = OneRowPath()
     monkeypatch.setattr(rowwise, "F", fake)
     monkeypatch.setattr(rowwise, "_DECIDED", {})
     monkeypatch.setattr(rowwise, "_PROBES", {})
     monkeypatch.setattr(rowwise, "_LONE", {})
+    monkeypatch.setattr(rowwise, "_BLOCKED", False)
     g = torch.Generator().manual_seed(2)
-    layer = rowwise.Linear(1536, 576, bias=False, dtype=torch.bfloat16)
-    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(torch.bfloat16),
-                                requires_grad=False)
-    x = activations((16, 1, 1536), g).to(torch.bfloat16)
+    layer = rowwise.Linear(1536, 576, bias=False, dtype=dtype)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(dtype), requires_grad=False)
+    x = activations((16, 1, 1536), g).to(dtype)
     # the reference: each row's product in the multi-row path's order, computed here
     w = layer.weight.float()
-    whole = torch.stack([r.float() @ w.T for r in x]).to(torch.bfloat16)  # [16, 1, 576]
+    whole = torch.stack([r.float() @ w.T for r in x]).to(dtype)  # [16, 1, 576]
     with torch.inference_mode():
         assert torch.equal(lone_rows(layer, x), whole)
         fake.calls.clear()
@@ -161,15 +163,60 @@ def test_a_one_row_path_of_its_own_is_taken_as_two_rows(monkeypatch):
     assert fake.calls == [16]  # one product for the 16 rows
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+class ReordersFromRows(OneRowPath):
+    """torch.nn.functional with a linear that sums K in two halves from `rows` rows up, one order
+    below: as MKL's fp32 product of 16 rows against its product of 2 to 15 on Intel's CPUs."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = rows
+
+    def linear(self, x, w, b=None):
+        rows = x.reshape(-1, x.shape[-1]).float()                      # [M, K]
+        self.calls.append(rows.shape[0])
+        h = rows.shape[1] // 2
+        wf = w.float()
+        if rows.shape[0] >= self.rows:
+            y = rows[:, :h] @ wf[:, :h].T + rows[:, h:] @ wf[:, h:].T
+        else:
+            y = torch.cat([r[None] @ wf.T for r in rows])
+        return y.to(x.dtype).view(*x.shape[:-1], -1)                   # [..., N]
+
+
+def test_rows_that_one_product_cannot_take_go_in_the_largest_groups_that_can(monkeypatch):
+    """A product that reorders from 16 rows up: 16 rows go as two products of 8 (not 16 products of
+    one, nor 6 of 3), each row with its lone bits; 13 rows as one product."""
+    fake = ReordersFromRows(16)
+    monkeypatch.setattr(rowwise, "F", fake)
+    monkeypatch.setattr(rowwise, "_DECIDED", {})
+    monkeypatch.setattr(rowwise, "_PROBES", {})
+    monkeypatch.setattr(rowwise, "_LONE", {})
+    monkeypatch.setattr(rowwise, "_AMX", False)  # F.linear's rows, not the weight times columns
+    g = torch.Generator().manual_seed(5)
+    layer = rowwise.Linear(1536, 576, bias=False, dtype=torch.bfloat16)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(torch.bfloat16),
+                                requires_grad=False)
+    w = layer.weight.float()
+    for B, calls in ((16, [8, 8]), (13, [13])):
+        x = activations((B, 1, 1536), g).to(torch.bfloat16)
+        whole = torch.stack([r.float() @ w.T for r in x]).to(torch.bfloat16)  # [B, 1, 576]
+        with torch.inference_mode():
+            assert torch.equal(rowwise.linear(layer, x), whole)  # decided on probes, then computed
+            fake.calls.clear()
+            assert torch.equal(rowwise.linear(layer, x), whole)
+        assert fake.calls == calls, B
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
 def test_a_lone_row_of_the_real_product_is_a_row_of_a_batch(dtype):
     """The real kernels, whatever this machine decides: every row of a batch of 2 to 16 gets the
     bits of its lone product (padded or not), for a linear whose K takes oneDNN's other one-row
-    path on CPUs with AVX512-BF16."""
+    path on CPUs with AVX512-BF16 (and in fp32 MKL's, on Intel's)."""
     g = torch.Generator().manual_seed(4)
     layer = rowwise.Linear(1536, 576, bias=False, dtype=dtype)
     layer.weight = nn.Parameter(trained_weight(576, 1536, g).to(dtype), requires_grad=False)
-    for B in (2, 7, 16):
+    for B in (2, 7, 15, 16):
         x = activations((B, 1, 1536), g).to(dtype)
         with torch.inference_mode():
             assert torch.equal(rowwise.linear(layer, x), lone_rows(layer, x)), B
