@@ -170,11 +170,12 @@ def run_batched(model, prompts, mode, args):
 
 
 def rowwise_summary():
-    """{operation: "one call at 2x1, 3x1; rows one at a time at ..."} from rowwise.decisions()."""
+    """{operation: "one call at 2x1, 3x1; not one call at ..."} from rowwise.decisions(): the
+    rows of a size that is not one call go in smaller groups that are, or one at a time."""
     by_op = {}
     for what, (B, T), one in decisions():
         by_op.setdefault(what, {True: [], False: []})[one].append(f"{B}x{T}")
-    return {what: "; ".join(f"{'one call' if one else 'rows one at a time'} at {', '.join(r)}"
+    return {what: "; ".join(f"{'one call' if one else 'not one call'} at {', '.join(r)}"
                             for one, r in ways.items() if r)
             for what, ways in by_op.items()}
 
