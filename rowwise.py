@@ -451,10 +451,13 @@ def _agree(fn, xs):
 
 
 def _magnitudes(shape, g, lo, hi):
-    """Random signs times 2^[lo, hi] times 1 + k/128: exact in bf16, fp16 and fp32."""
-    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
-    exp = torch.randint(lo, hi + 1, shape, generator=g)
-    return sign * 2.0 ** exp * (1 + torch.randint(0, 128, shape, generator=g) / 128)
+    """Random signs times 2^[lo, hi] times 1 + k/128: exact in bf16, fp16 and fp32. Drawn from a
+    table of those values, one gather (a probe of the output matrix, 14M values, in 0.17 s here
+    against 0.71 computing each: the first token of a run waits for its probes)."""
+    span = hi - lo + 1
+    i = torch.arange(2 * span * 128)                                 # every value, once
+    table = (i % 2 * 2 - 1) * 2.0 ** (i // 2 % span + lo) * (1 + i // (2 * span) / 128)
+    return table[torch.randint(0, len(table), shape, generator=g)]
 
 
 def _paired(v, pairs, K):
