@@ -81,13 +81,14 @@ import fewrows
 SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most SPLIT_BLOCKS
 SPLIT_BLOCKS = 16
 SPLIT_COLUMNS = 3  # Linear's blocked product (blocked_fp32): up to this many rows
+BLOCKED_ROWS = 15  # Linear.rows_in_blocks: up to this many fp32 rows (MKL's few-rows path)
 WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
 WEIGHT_FIRST_ROWS = 16  # products of up to this many bf16 rows may take weight_first
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
-_BLOCKED = None  # whether this CPU is not Intel's (blocked_fp32), read once
+_BLOCKED = None  # whether this CPU is not Intel's (intel, blocked_fp32), read once
 _AMX = None      # whether oneDNN may compute bf16 on AMX tiles here (weight_first), read once
 
 
@@ -119,6 +120,8 @@ class Linear(nn.Linear):
                 and lone_row_padded(self, x)):
             x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
+        if 2 < M <= BLOCKED_ROWS and blocked_rows(self, x):
+            return self.rows_in_blocks(x)                          # [..., N]
         if w.dtype == x.dtype and wide(x):
             b = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), w.float(), b).to(x.dtype)       # [..., N], rounded once
@@ -136,6 +139,21 @@ class Linear(nn.Linear):
         if M > 1:  # rows back to row-major: [M, n, N/n] (the kernels after expect it)
             y = y.permute(2, 0, 1).contiguous()
         y = y.view(*x.shape[:-1], N)                               # [..., N]
+        return y if self.bias is None else y + self.bias
+
+    def rows_in_blocks(self, x):
+        """x [..., K] (3 to BLOCKED_ROWS fp32 rows, contiguous) times the weight as one batched
+        product of its blocks of output rows: [n, M, K] (one view of x) x [n, K, N/n], n a
+        function of N only (split_blocks). MKL's product of a few fp32 rows reads a block at a
+        time faster than the whole weight: 8 rows of 3,072 x 576 in 525 against 842 us from memory
+        (docs/performance.md, round twenty-three)."""
+        w = self.weight                                            # [N, K]
+        N, K = w.shape
+        n = split_blocks(N)
+        M = x.numel() // K
+        rows = x.reshape(M, K).expand(n, M, K)                     # [n, M, K], one copy
+        y = torch.bmm(rows, w.view(n, N // n, K).transpose(1, 2))  # [n, M, N/n]
+        y = y.transpose(0, 1).reshape(*x.shape[:-1], N)            # [..., N], row-major
         return y if self.bias is None else y + self.bias
 
     @classmethod
@@ -240,14 +258,7 @@ def blocked_fp32(layer, x):
     round thirteen), its threads splitting the outputs, not the sums, which zero-sum probes at 1,
     2 and the current thread count check (_one_row_threads_agree), once per weight shape and
     layout. A function of the machine and shapes, never of a run or of the thread count."""
-    global _BLOCKED
-    if _BLOCKED is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                _BLOCKED = "GenuineIntel" not in f.read(4096)
-        except OSError:
-            _BLOCKED = True
-    if _BLOCKED:
+    if not intel():
         return True
     w = layer.weight
     key = ("fp32 one row", tuple(w.shape), w.stride(), w.data_ptr() % 64, _has_bias(layer),
@@ -279,6 +290,32 @@ def _one_row_threads_agree(layer):
     finally:
         torch.set_num_threads(threads)
     return True
+
+
+def intel():
+    """Whether this CPU is Intel's (MKL's fp32 paths differ by vendor), read once."""
+    global _BLOCKED
+    if _BLOCKED is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                _BLOCKED = "GenuineIntel" not in f.read(4096)
+        except OSError:
+            _BLOCKED = True
+    return not _BLOCKED
+
+
+def blocked_rows(layer, x):
+    """Whether layer's product of x [..., K] (3 to BLOCKED_ROWS rows) takes Linear.rows_in_blocks:
+    fp32 on an Intel CPU (not blocked_fp32's), x and the weight contiguous, a weight that splits
+    into blocks. A function of shapes, layouts and the machine. A lone row (padded to two) keeps
+    F.linear, which is faster for it; rowwise.linear's probes compare every row of a product in
+    blocks with the lone row's, and keep a size that differs out of one call (measured on the
+    Intel VM: every weight of a SmolLM2-135M layer and its output matrix agrees at every size to
+    15, where F.linear's q, k, v and o took another order from 4 rows)."""
+    w = layer.weight
+    return (w.dtype == x.dtype == torch.float32 and w.is_cpu and w.is_contiguous()
+            and x.is_contiguous() and split_blocks(w.shape[0]) > 1 and intel()
+            and not blocked_fp32(layer, x))
 
 
 def split_blocks(N):

@@ -47,11 +47,33 @@ def test_one_row_product_is_the_product_and_the_same_at_any_thread_count():
     refs = xs.double() @ lin.weight.double().t() + lin.bias.double()
     assert ys.is_contiguous() and ys.shape == (SPLIT_COLUMNS, 1, 1536)
     assert torch.allclose(ys.double(), refs, atol=1e-3, rtol=1e-5)
-    # more rows, and bf16, take the library's product itself
+    # more rows, and bf16, take the library's product itself (on Intel's CPUs up to BLOCKED_ROWS
+    # fp32 rows go in blocks of the weight's rows: rows_in_blocks)
     xs = torch.randn(SPLIT_COLUMNS + 1, 1, 576, generator=g)
-    assert torch.equal(lin(xs), F.linear(xs, lin.weight, lin.bias))
+    whole = F.linear(xs, lin.weight, lin.bias)
+    assert torch.equal(lin(xs), lin.rows_in_blocks(xs) if rowwise.blocked_rows(lin, xs) else whole)
     lin16 = Linear(576, 1536, bias=False).to(torch.bfloat16)
     assert torch.equal(lin16(x.bfloat16()), F.linear(x.bfloat16(), lin16.weight))
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_in_blocks_is_the_product(bias):
+    """Linear.rows_in_blocks (a few fp32 rows on Intel's CPUs) against float64 arithmetic, for 3 to
+    BLOCKED_ROWS rows and one or several positions a row: row-major [..., N] as F.linear's."""
+    g = torch.Generator().manual_seed(6)
+    lin = Linear(576, 1536, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(1536, 576, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(1536, generator=g))
+    for shape in ((3, 1, 576), (8, 1, 576), (rowwise.BLOCKED_ROWS, 1, 576), (2, 3, 576)):
+        x = torch.randn(shape, generator=g)
+        ref = x.double() @ lin.weight.double().t()
+        if bias:
+            ref = ref + lin.bias.double()
+        y = lin.rows_in_blocks(x)
+        assert y.shape == (*shape[:-1], 1536) and y.is_contiguous()
+        assert torch.allclose(y.double(), ref, atol=1e-3, rtol=1e-5), shape
 
 
 def test_joint_is_one_product_and_falls_back_when_a_weight_moves():
