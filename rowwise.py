@@ -52,22 +52,23 @@ into blocks of output rows, one batched call that the threads share (measured in
 docs/performance.md); up to SPLIT_COLUMNS rows take it as as many columns. Its bits are its own, and
 the same in every run, whatever the thread count: the blocks are a function of the weight's shape
 only, and the rows above keep that call as "alone". In half precision on a CPU with AVX512-BF16
-torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for
-2 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero
-row (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its
-rows rather than a product a row. So does fp32 on Intel's CPUs, where MKL's one-row product (a
-threaded GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs
-10-20% of its read in the layers' products (the output matrix's is as fast), and a batch of 16
-reads each weight twice (two products of 8: 16 rows take a third order) instead of 16 times
-(docs/performance.md, round twenty-three). Where oneDNN computes bf16 on AMX tiles (Intel Xeon 4th
-generation and later), a product of up to WEIGHT_FIRST_ROWS rows is taken the other way round, the
-weight times the rows as columns (weight_first: torch.mv or torch.mm, whose product has the
-weight's N rows where F.linear's has the few rows, so the tiles' 16 rows are filled): a decode
-step's bf16 products read their weights 1.2-1.8x faster, and where probes show a lone row the bits
-of that row among others (decided once per shape), so batches and verify steps stay one product.
-On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows or more (a prefill chunk's) is
-taken in fp32 and rounded once (wide): torch's own half-precision GEMM is 6x slower than MKL's fp32
-there; a decode step's rows keep the half-precision kernel.
+torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order than its path for 2
+to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero row
+(lone_row_padded, decided on probes), so that a batch or a verify step is one product of its rows
+rather than a product a row. So does fp32 on Intel's CPUs, where MKL's one-row product (a threaded
+GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs 10-20% of
+its read in the layers' products (the output matrix's is as fast), and a batch of 16 reads each
+weight twice (two products of 8: 16 rows take a third order) instead of 16 times, 3 to BLOCKED_ROWS
+rows as one product of the weight's blocks of output rows (rows_in_blocks, faster than MKL's product
+of the whole weight; docs/performance.md, round twenty-three). Where oneDNN computes bf16 on AMX
+tiles (Intel Xeon 4th generation and later), a product of up to WEIGHT_FIRST_ROWS rows is taken the
+other way round, the weight times the rows as columns (weight_first: torch.mv or torch.mm, whose
+product has the weight's N rows where F.linear's has the few rows, so the tiles' 16 rows are
+filled): a decode step's bf16 products read their weights 1.2-1.8x faster, and where probes show a
+lone row the bits of that row among others (decided once per shape), so batches and verify steps
+stay one product. On a CPU without that kernel (AVX2), a product of WIDE_ROWS rows or more (a
+prefill chunk's) is taken in fp32 and rounded once (wide): torch's own half-precision GEMM is 6x
+slower than MKL's fp32 there; a decode step's rows keep the half-precision kernel.
 """
 import copy
 import os
@@ -98,7 +99,9 @@ class Linear(nn.Linear):
     [K, M], n a function of N only; and whose one-row product on CPU is that of two rows, the second
     zero, where the library's one-row path sums in another order than its path for more rows
     (lone_row_padded), or a few rows as the weight times columns where that is faster and the
-    same bits (weight_first): then one product serves a batch's or a verify step's rows. With
+    same bits (weight_first): then one product serves a batch's or a verify step's rows; and whose
+    product of 3 to BLOCKED_ROWS fp32 rows on Intel's CPUs is one batched product of the weight's
+    blocks of output rows (rows_in_blocks). With
     --products compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is
     the compiled fewrows.few_rows_product instead, each row's bits its own by construction."""
 
