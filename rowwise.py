@@ -101,9 +101,9 @@ class Linear(nn.Linear):
     (lone_row_padded), or a few rows as the weight times columns where that is faster and the
     same bits (weight_first): then one product serves a batch's or a verify step's rows; and whose
     product of 3 to BLOCKED_ROWS fp32 rows on Intel's CPUs is one batched product of the weight's
-    blocks of output rows (rows_in_blocks). With
-    --products compiled, a product of up to fewrows.PRODUCT_ROWS rows in half precision on CPU is
-    the compiled fewrows.few_rows_product instead, each row's bits its own by construction."""
+    blocks of output rows (rows_in_blocks). With --products compiled, a product of up to
+    fewrows.PRODUCT_ROWS rows in half precision on CPU is the compiled fewrows.few_rows_product
+    instead, each row's bits its own by construction."""
 
     def forward(self, x):
         w = self.weight                                            # [N, K]

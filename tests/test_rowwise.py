@@ -55,8 +55,8 @@ def activations(shape, g):
 
 def make_layer(kind, K, N, g):
     w = trained_weight(N, K, g)
-    if kind in ("bf16", "fp32"):
-        layer = nn.Linear(K, N, bias=False, dtype=torch.bfloat16 if kind == "bf16" else None)
+    if kind in ("bf16", "fp32"):  # the model's linear, with its own paths for few rows
+        layer = rowwise.Linear(K, N, bias=False, dtype=torch.bfloat16 if kind == "bf16" else None)
         layer.weight = nn.Parameter(w.to(layer.weight.dtype), requires_grad=False)
         return layer
     layer = Int8Linear(K, N) if kind == "int8" else Int4Linear(K, N)
