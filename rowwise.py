@@ -37,8 +37,10 @@ So each operation a step shares across rows is kept row-invariant in one of thre
 - Rows a few at a time, or one at a time, where the check fails: `linear` tries groups of B/2,
   B/3, ... rows down to 2 (each group size checked as above), then each row's call is exactly
   the lone one (a fresh copy of the row, so even its alignment is the lone one's). A linear then
-  reads its weight once per group or row (from the cache after the first, for a layer that fits);
-  the measured cost is in docs/batches.md.
+  reads its weight once per group or row (from the cache after the first, for a layer that fits),
+  except where its groups go in blocks (fp32 on Intel's CPUs): there every group reads a piece of
+  the weight before the next piece (Linear.groups_in_pieces, checked as above), so a weight larger
+  than the cache streams from memory once; the measured cost is in docs/batches.md.
 Measured on this project's build machine (AMD EPYC, AVX2, torch 2.13, 1 and 2 threads, rows 1 to 16
 and T 1, 3, 9): bf16 products (torch's own dot kernel), the int8 and int4 kernels, the norm's
 statistic and SiLU times up of the model's widths pass; fp32 products of more rows than one never
@@ -57,8 +59,8 @@ to 16 rows (those agree among themselves): there `Linear` takes a lone row as th
 (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its rows
 rather than a product a row. So does fp32 on Intel's CPUs, where MKL's one-row product (a threaded
 GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs 10-20% of
-its read in the layers' products (the output matrix's is as fast), and a batch of 16 reads each
-weight twice (two products of 8: 16 rows take a third order) instead of 16 times, 3 to BLOCKED_ROWS
+its read in the layers' products (the output matrix's is as fast), and a batch of 16 is two
+groups of 8 (16 rows take a third order) that read each piece of a weight in turn, 3 to BLOCKED_ROWS
 rows as one product of the weight's blocks of output rows (rows_in_blocks, faster than MKL's product
 of the whole weight; docs/performance.md, round twenty-three). Where oneDNN computes bf16 on AMX
 tiles (Intel Xeon 4th generation and later), a product of up to WEIGHT_FIRST_ROWS rows is taken the
@@ -83,6 +85,8 @@ SPLIT_ROWS = 64  # Linear's blocks: at least this many output rows each, at most
 SPLIT_BLOCKS = 16
 SPLIT_COLUMNS = 3  # Linear's blocked product (blocked_fp32): up to this many rows
 BLOCKED_ROWS = 15  # Linear.rows_in_blocks: up to this many fp32 rows (MKL's few-rows path)
+PIECE_BYTES = 448 * 1024  # Linear.groups_in_pieces: a block of the weight at most this
+PIECE_BLOCKS = 2  # and a piece this many blocks a thread (two blocks: 864 KiB of MiB-sized L2)
 WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
 WEIGHT_FIRST_ROWS = 16  # products of up to this many bf16 rows may take weight_first
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
@@ -157,6 +161,29 @@ class Linear(nn.Linear):
         rows = x.reshape(M, K).expand(n, M, K)                     # [n, M, K], one copy
         y = torch.bmm(rows, w.view(n, N // n, K).transpose(1, 2))  # [n, M, N/n]
         y = y.transpose(0, 1).reshape(*x.shape[:-1], N)            # [..., N], row-major
+        return y if self.bias is None else y + self.bias
+
+    def groups_in_pieces(self, x, g):
+        """x [B, T, K] (fp32, contiguous) in groups of g rows of B, each group's product one batched
+        product of the weight's blocks of output rows as in rows_in_blocks, but a piece of the
+        weight at a time for every group (pieces(): PIECE_BLOCKS blocks a thread): a batch whose
+        rows one product cannot take (MKL's 16 fp32 rows) then reads a weight larger than the
+        cache from memory once, not once a group. 16 rows as two groups of 8, from memory: the
+        MLP's joint 6,144 x 576 in 1.0-1.1 ms against 1.4-1.5 a group at a time, the output
+        matrix 49,152 x 576 in 7.6-8.5 against 14.7-16.7 (docs/performance.md, round twenty-four).
+        rowwise.linear's probes compare every row with its lone product before it is taken."""
+        w = self.weight                                            # [N, K]
+        N, K = w.shape
+        n, p = pieces(self)                                        # blocks, blocks a piece
+        blocks = w.view(n, N // n, K).transpose(1, 2)              # [n, K, N/n]
+        groups = [x[i:i + g].reshape(-1, K) for i in range(0, x.shape[0], g)]  # [m, K] each
+        outs = [[] for _ in groups]
+        for j in range(0, n, p):  # the piece's p blocks from memory for the first group only
+            for rows, out in zip(groups, outs):
+                out.append(torch.bmm(rows.expand(p, *rows.shape), blocks[j:j + p]))  # [p, m, N/n]
+        # each group's [n, m, N/n] to [m, N], row-major
+        y = torch.cat([torch.cat(out).transpose(0, 1).reshape(-1, N) for out in outs])  # [B*T, N]
+        y = y.view(*x.shape[:-1], N)                               # [B, T, N]
         return y if self.bias is None else y + self.bias
 
     @classmethod
@@ -321,6 +348,24 @@ def blocked_rows(layer, x):
             and not blocked_fp32(layer, x))
 
 
+def pieces(layer):
+    """(n, p): Linear.groups_in_pieces's blocks of the weight, N halved while a block holds more
+    than PIECE_BYTES, and the blocks of a piece, PIECE_BLOCKS a thread (fewer where that does not
+    divide n); None where the weight makes fewer than two pieces of two blocks or more (a batched
+    product of one block takes another path). Measured (Xeon, family 6 model 207, 16 rows as two
+    groups of 8, from memory): pieces of 864 KiB a thread were fastest at 1 and 2 threads, 3.4 MiB
+    at 2 threads 10-20% slower. A function of shapes and the thread count."""
+    N, K = layer.weight.shape
+    rows = N
+    while rows % 2 == 0 and rows * K * layer.weight.element_size() > PIECE_BYTES:
+        rows //= 2
+    n = N // rows
+    p = min(n, PIECE_BLOCKS * torch.get_num_threads())
+    while n % p:
+        p -= 1
+    return (n, p) if 2 <= p and 2 * p <= n else None
+
+
 def split_blocks(N):
     """Linear's blocks for N output rows: the most, up to SPLIT_BLOCKS, a power of two dividing N
     with SPLIT_ROWS rows or more each (1: no split, a small weight reads fast enough)."""
@@ -342,6 +387,8 @@ def linear(layer, x):
         # groups of g rows, the largest size whose one product gives each row its bits
         x_g = x[:g].clone()
         if one_product(layer, x_g):
+            if in_pieces(layer, x, g):  # the groups read each piece of the weight in turn
+                return layer.groups_in_pieces(x, g)                # [B, T, N]
             return torch.cat([linear(layer, x[i:i + g].clone()) for i in range(0, B, g)])
     return torch.cat([layer(x[i:i + 1].clone()) for i in range(B)])  # [B, T, N], row by row
 
@@ -465,6 +512,21 @@ def one_product(layer, x):
     return _decide(key, lambda: _linear_agrees(layer, x), (name, tuple(x.shape[:2])))
 
 
+def in_pieces(layer, x, g):
+    """Whether layer's product of x [B, T, K] in groups of g rows of B is Linear.groups_in_pieces:
+    fp32 rows that go in blocks (blocked_rows), a weight of two pieces or more (pieces), and every
+    row of it the bits of its lone product on probes (as one_product's), decided once per weight
+    shape and layout, x's shape and layout, g and the thread count."""
+    if not isinstance(layer, Linear) or not blocked_rows(layer, x) or pieces(layer) is None:
+        return False
+    w = layer.weight
+    key = ("linear in pieces", g, tuple(w.shape), w.stride(), w.data_ptr() % 64, _has_bias(layer),
+           tuple(x.shape), x.stride(), torch.get_num_threads())
+    name = f"{type(layer).__name__} {tuple(w.shape)} float32 in pieces of {g} rows"
+    return _decide(key, lambda: _linear_agrees(layer, x, lambda l, x_: l.groups_in_pieces(x_, g)),
+                   (name, tuple(x.shape[:2])))
+
+
 def _has_bias(layer):
     """A layer of a kind this module does not know (tp.ShardedHead) may have no bias at all."""
     return getattr(layer, "bias", None) is not None
@@ -483,11 +545,12 @@ def _decide(key, test, what):
     return _DECIDED[key][2]
 
 
-def _agree(fn, xs):
-    """fn on all rows at once equals fn on each row alone, a fresh copy of it."""
+def _agree(fn, xs, together=None):
+    """fn on all rows at once (or together, another way of computing them) equals fn on each row
+    alone, a fresh copy of it."""
     B = xs[0].shape[0]
     alone = torch.cat([fn(*(x[i:i + 1].clone() for x in xs)) for i in range(B)])
-    return torch.equal(fn(*xs), alone)
+    return torch.equal((together or fn)(*xs), alone)
 
 
 def _magnitudes(shape, g, lo, hi):
@@ -574,9 +637,10 @@ def _probe_layer(layer, g):
     return probe, pairs
 
 
-def _linear_agrees(layer, x):
+def _linear_agrees(layer, x, many=None):
     """Two zero-sum probes (module docstring) and one of the layer's own weights with inputs of
-    magnitudes 2^-8 to 2^8: every row of one product against its lone product."""
+    magnitudes 2^-8 to 2^8: every row of one product (or of many(layer, x), another way of taking
+    the rows) against its lone product."""
     g = torch.Generator().manual_seed(0)
     B, T, K = x.shape
     w = layer.weight
@@ -589,9 +653,10 @@ def _linear_agrees(layer, x):
     probe, pairs = _PROBES[key]
     for _ in range(2):
         xp = _paired(_magnitudes((B, T, pairs.shape[1]), g, -6, 7), pairs, K)  # [B, T, K]
-        if not _agree(probe, [_like(x, xp)]):
+        if not _agree(probe, [_like(x, xp)], many and (lambda x_: many(probe, x_))):
             return False
-    return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))])
+    return _agree(layer, [_like(x, _magnitudes(x.shape, g, -8, 8))],
+                  many and (lambda x_: many(layer, x_)))
 
 
 def shared_rows(fn, q, k, v, rows, blocks=None, lone=None):

@@ -76,6 +76,37 @@ def test_rows_in_blocks_is_the_product(bias):
         assert torch.allclose(y.double(), ref, atol=1e-3, rtol=1e-5), shape
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_groups_in_pieces_is_the_product(bias):
+    """Linear.groups_in_pieces (a batch's fp32 groups of rows, the weight read a piece at a time
+    for every group) against float64 arithmetic: equal groups, a smaller last group, several
+    positions a row; row-major [B, T, N] as F.linear's, whatever the pieces at 1 and 2 threads."""
+    g = torch.Generator().manual_seed(7)
+    lin = Linear(576, 2048, bias=bias)  # 4.5 MiB: blocks of 128 rows, 16 of them
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(2048, 576, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(2048, generator=g))
+    threads = torch.get_num_threads()
+    try:
+        for n_threads, pieces in ((1, (16, 2)), (2, (16, 4))):
+            torch.set_num_threads(n_threads)
+            assert rowwise.pieces(lin) == pieces
+            for shape, group in (((16, 1, 576), 8), ((13, 1, 576), 5), ((6, 2, 576), 4)):
+                x = torch.randn(shape, generator=g)
+                ref = x.double() @ lin.weight.double().t()
+                if bias:
+                    ref = ref + lin.bias.double()
+                with torch.no_grad():
+                    y = lin.groups_in_pieces(x, group)
+                assert y.shape == (*shape[:-1], 2048) and y.is_contiguous()
+                assert torch.allclose(y.double(), ref, atol=1e-3, rtol=1e-5), (shape, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+    # a weight of fewer than two pieces of two blocks has none: its groups go one after another
+    assert rowwise.pieces(Linear(576, 256, bias=False)) is None
+
+
 def test_joint_is_one_product_and_falls_back_when_a_weight_moves():
     g = torch.Generator().manual_seed(1)
     layers = [Linear(64, n, bias=True) for n in (128, 32, 32)]

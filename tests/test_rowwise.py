@@ -207,6 +207,45 @@ def test_rows_that_one_product_cannot_take_go_in_the_largest_groups_that_can(mon
         assert fake.calls == calls, B
 
 
+@pytest.mark.parametrize("agrees", [True, False], ids=["pieces_agree", "pieces_reorder"])
+def test_groups_read_the_weight_in_pieces_only_where_every_row_keeps_its_bits(monkeypatch, agrees):
+    """A batch of 16 fp32 rows that one product cannot take goes as groups of 8, and where a
+    group's rows go in blocks (Intel's CPUs) the groups read the weight a piece at a time
+    (Linear.groups_in_pieces): taken where the probes see every row's lone bits, refused where
+    the pieces sum K in another order (its two halves apart), and each row's bits are its lone
+    product's either way."""
+    fake = ReordersFromRows(16)
+    monkeypatch.setattr(rowwise, "F", fake)
+    for table in ("_DECIDED", "_PROBES", "_LONE"):
+        monkeypatch.setattr(rowwise, table, {})
+    monkeypatch.setattr(rowwise, "blocked_rows", lambda layer, x: True)  # as on Intel's CPUs
+    monkeypatch.setattr(rowwise.Linear, "rows_in_blocks", lambda lin, x: fake.linear(x, lin.weight))
+    pieces = []
+
+    def groups_in_pieces(self, x, g):  # the fake product's order of a few rows, or another
+        pieces.append(g)
+        w = self.weight
+        if agrees:
+            return torch.stack([r @ w.T for r in x])                   # [B, T, N]
+        h = x.shape[-1] // 2
+        return x[..., :h] @ w[:, :h].T + x[..., h:] @ w[:, h:].T
+
+    monkeypatch.setattr(rowwise.Linear, "groups_in_pieces", groups_in_pieces)
+    g = torch.Generator().manual_seed(8)
+    layer = rowwise.Linear(576, 2048, bias=False)
+    layer.weight = nn.Parameter(trained_weight(2048, 576, g), requires_grad=False)
+    x = activations((16, 1, 576), g)
+    w = layer.weight
+    whole = torch.stack([r @ w.T for r in x])  # [16, 1, 2048], each row the fake's lone order
+    with torch.inference_mode():
+        assert torch.equal(rowwise.linear(layer, x), whole)  # decided on probes, then computed
+        fake.calls.clear()
+        pieces.clear()
+        assert torch.equal(rowwise.linear(layer, x), whole)
+    assert pieces == ([8] if agrees else [])
+    assert fake.calls == ([] if agrees else [8, 8])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
                          ids=["bf16", "fp16", "fp32"])
 def test_a_lone_row_of_the_real_product_is_a_row_of_a_batch(dtype):
