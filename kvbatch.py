@@ -97,29 +97,37 @@ class BatchedCaches:
         G = k.shape[1]
         R = H // G
         q = (q * (1.0 / math.sqrt(D))).reshape(B, G, R, D)    # KVCache.attend's, a task a row
-        index, alike = self.plan()
+        index, alike, whole = self.plan()
         n = max(alike)
-        sealed = self.sealed_grid(layer, q, n, index) if n else None
+        sealed = self.sealed_grid(layer, q, n, index, whole) if n else None
         out = torch.empty(B, G, R, D, dtype=q.dtype)
         for n_b, (offsets, at, at_i) in alike.items():
             opened = []
             for off, rows_b in offsets.items():
                 for b in rows_b:
                     self.caches[b].count(layer, 0, n_b, n_b)
-                opened.append(self.open_partials(layer, q, k, v, n_b, off, rows_b))
-            o = torch.cat([o for o, _ in opened])[:, None]          # [B', 1, G, R, D]
-            lse = torch.cat([lse for _, lse in opened])[:, None]    # [B', 1, G, R]
+                opened.append(self.open_partials(layer, q, k, v, n_b, off, rows_b, whole))
+            o, lse = opened[0] if len(opened) == 1 else [torch.cat(p) for p in zip(*opened)]
+            o, lse = o[:, None], lse[:, None]                       # [B', 1, G, R, (D)]
             if n_b:  # the sealed partials first, as attention's order has them
-                o = torch.cat([sealed[0][:n_b, at_i].transpose(0, 1), o], 1)   # [B', n_b+1, ...]
-                lse = torch.cat([sealed[1][:n_b, at_i].transpose(0, 1), lse], 1)
+                o_s, lse_s = sealed[0][:n_b], sealed[1][:n_b]       # [n_b, I, G, R, ...]
+                if not whole:
+                    o_s, lse_s = o_s[:, at_i], lse_s[:, at_i]       # [n_b, B', G, R, ...]
+                o = torch.cat([o_s.transpose(0, 1), o], 1)          # [B', n_b+1, G, R, D]
+                lse = torch.cat([lse_s.transpose(0, 1), lse], 1)    # [B', n_b+1, G, R]
             o = rows(merge_tasks, "merge", o, lse)                   # [B', G, R, D]
-            out[at] = o if o.dtype == q.dtype else o.to(q.dtype)
+            o = o if o.dtype == q.dtype else o.to(q.dtype)
+            if whole:  # one kind of task: its rows are the step's, in order
+                return o.reshape(B, H, T, D)
+            out[at] = o
         return out.reshape(B, H, T, D)
 
     def plan(self):
         """This step's (arena index of every task [B], {sealed chunks: ({offset of the position:
-        the tasks' rows}, those rows in that order [B'], their arena indices [B'])}), made at its
-        first layer."""
+        the tasks' rows}, those rows in that order [B'], their arena indices [B'])}, whether the
+        step is whole: every task with as many sealed chunks and its position at one offset, task
+        i at arena index i, every index a task's; then every gather and scatter of the step is the
+        identity, and is skipped), made at its first layer."""
         if self.planned is None:
             index = torch.tensor([c.store.arena_index for c in self.caches])   # [B]
             alike = {}
@@ -130,30 +138,36 @@ class BatchedCaches:
             for n_b, offsets in alike.items():
                 at = torch.tensor([b for rows_b in offsets.values() for b in rows_b])
                 plan[n_b] = (offsets, at, index[at])
-            self.planned = index, plan
+            whole = (len(alike) == 1 and len(offsets) == 1 and len(self.caches) == self.arena.tasks
+                     and index.tolist() == list(range(len(self.caches))))
+            self.planned = index, plan, whole
         return self.planned
 
-    def sealed_grid(self, layer, q, n, index):
+    def sealed_grid(self, layer, q, n, index, whole=False):
         """The partials of chunks 0..n-1 of every arena index in one kernel call, q [B, G, R, D]
-        (scaled) the queries of the tasks at `index` [B]: (o [n, I, G, R, D], lse [n, I, G, R])
-        fp32, padded rows cut (attend_few's)."""
+        (scaled) the queries of the tasks at `index` [B] (whole: task i at index i, every index):
+        (o [n, I, G, R, D], lse [n, I, G, R]) fp32, padded rows cut (attend_few's)."""
         B, G, R, D = q.shape
         I = self.arena.tasks
         self.arena.grid_calls += 1
         k_g, v_g = self.caches[0].layout.read_group(self.arena.grid(layer, n))  # [n*I, 1, G, C, D]
         rows = padded_rows(q[:1], k_g)
         q_g = q.new_zeros(n, I, G, rows, D)                   # [n, I, G, rows, D]
-        q_g[:, index, :, :R] = q                              # task b's rows at its index
+        if whole:
+            q_g[..., :R, :] = q                               # task i's rows at index i
+        else:
+            q_g[:, index, :, :R] = q                          # task b's rows at its index
         o, lse = attend_chunks(q_g.view(n * I, 1, G, rows, D), k_g, v_g)
         return o.view(n, I, G, rows, D)[..., :R, :], lse.view(n, I, G, rows)[..., :R]
 
-    def open_partials(self, layer, q, k, v, n_b, off, rows_b):
+    def open_partials(self, layer, q, k, v, n_b, off, rows_b, whole=False):
         """Write the position of the tasks at rows_b, whose open chunk is chunk n_b and whose
         position is its offset off, and return their open chunk's partials (o [B', G, R, D], lse
         [B', G, R]) fp32, in rows_b's order. As one row of the arena (every index's chunk n_b: one
         copy of K and V into the tasks' slots, one call over the first off+1 positions, each index
         with its task's queries) where those tasks are at least half of the row and their layout's
-        chunks are views; else a task at a time, as KVCache.attend writes and attends."""
+        chunks are views (whole, plan's: the row's indices are the step's tasks, in order); else a
+        task at a time, as KVCache.attend writes and attends."""
         G, R = q.shape[1], q.shape[2]
         arena = self.arena
         caches = [self.caches[b] for b in rows_b]
@@ -163,10 +177,14 @@ class BatchedCaches:
             opened = [c.store.open_chunk(layer).data_ptr() for c in caches]
             if opened == [slots[n_b * arena.tasks + c.store.arena_index].data_ptr()
                           for c in caches]:
-                at = torch.tensor(rows_b)
-                at_i = torch.tensor([c.store.arena_index for c in caches])
                 row = arena.grid(layer, n_b + 1)[n_b * arena.tasks:]   # [I, 2, 1, G, C, D]
                 chunk = row.transpose(0, 1).flatten(1, 2)              # [2, I, G, C, D]
+                if whole:  # the same copies and call, without gathers
+                    chunk[:, :, :, off] = torch.stack([k, v])[:, :, :, 0]   # [2, I, G, D]
+                    k_o, v_o = layout.read(chunk, off + 1)             # [I, G, off+1, D]
+                    return attend_open_chunk(q, k_o, v_o, off, R)     # [I, G, R, D], [I, G, R]
+                at = torch.tensor(rows_b)
+                at_i = torch.tensor([c.store.arena_index for c in caches])
                 new = torch.stack([k[at], v[at]], 1)[:, :, :, 0]       # [B', 2, G, D]
                 # PlainLayout.write's copies, each task's into its slot (a cast to a half KV)
                 chunk[:, :, :, off].transpose(0, 1).index_copy_(0, at_i, new.to(chunk.dtype))

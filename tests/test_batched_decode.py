@@ -309,9 +309,9 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
         return rows(fn, key, o, lse)
     monkeypatch.setattr(kvbatch, "rows", counted_rows)
 
-    def counted_grid(self, layer, q, n, index):
+    def counted_grid(self, *args):
         calls["grid"] += 1
-        return sealed_grid(self, layer, q, n, index)
+        return sealed_grid(self, *args)
 
     def counted_open(q, *args):
         calls["open rows"] += q.shape[0] > 1
@@ -352,6 +352,52 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
     assert sorted(arena.free) == list(range(6))
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "half"])
+def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtype, monkeypatch):
+    """Four tasks filling an arena of four, task i at index i, at one length: each step is whole
+    (BatchedCaches.plan), so the grid, the open chunk's row and the merge run without gathers or
+    scatters, and every row still equals, bit for bit, the task's logits alone. Midway a task
+    leaves and a shorter one takes its index: those steps are not whole, and their bits hold too."""
+    if kv_dtype == "half":
+        kv_dtype = "fp16" if model.output.weight.dtype == torch.bfloat16 else "bf16"
+    plan = kvbatch.BatchedCaches.plan
+    wholes = []
+
+    def seen_plan(self):
+        planned = plan(self)
+        if not wholes or wholes[-1][0] is not self:
+            wholes.append((self, planned[2]))
+        return planned
+    monkeypatch.setattr(kvbatch.BatchedCaches, "plan", seen_plan)
+    g = torch.Generator().manual_seed(4)
+    ids = [torch.randint(3, model.args.vocab_size, (1, 37), generator=g) for _ in range(4)]
+    late = torch.randint(3, model.args.vocab_size, (1, 30), generator=g)
+    none = OffloadConfig()
+    ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
+    ref_late = alone(model, late, none, STEPS // 2, kv_dtype)
+    arena = kvbatch.make_arena(model, 4, C, 200, kv_dtype)
+    caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
+    seen = [[] for _ in ids]
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            caches[2].store.close()
+            caches[2] = make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena)
+            logits = torch.cat([logits[:2], prefill(model, caches[2], late), logits[3:]])
+        for i in range(len(ids)):
+            seen[i].append(logits[i:i + 1].clone())
+        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
+        assert not failed
+    for i in range(len(ids)):
+        want = ref[i] if i != 2 else ref[2][:STEPS // 2] + ref_late
+        for step, (a, b) in enumerate(zip(seen[i], want)):
+            assert torch.equal(a, b), f"task {i}, step {step}"
+    steps = [whole for _, whole in wholes]
+    assert len(steps) == STEPS and all(steps[:STEPS // 2]) and not any(steps[STEPS // 2:])
+    for c in caches:
+        c.store.close()
+
+
 def test_a_job_without_offload_shares_an_arena(text_ckpt, tmp_path, capsys, monkeypatch):
     """A --prompts job with --offload none (the default with --ckpt): its tasks' caches share one
     arena, their sealed chunks are attended a layer at a time in one call, and every result line
@@ -359,9 +405,9 @@ def test_a_job_without_offload_shares_an_arena(text_ckpt, tmp_path, capsys, monk
     calls = []
     sealed_grid = kvbatch.BatchedCaches.sealed_grid
 
-    def counted(self, layer, q, n, index):
+    def counted(self, layer, q, *args):
         calls.append(q.shape[0])
-        return sealed_grid(self, layer, q, n, index)
+        return sealed_grid(self, layer, q, *args)
     monkeypatch.setattr(kvbatch.BatchedCaches, "sealed_grid", counted)
     tasks = write_tasks(tmp_path / "tasks.jsonl", [dict(t, max_new_tokens=24) for t in MIXED])
     results = {}
