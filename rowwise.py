@@ -168,9 +168,10 @@ class Linear(nn.Linear):
         product of the weight's blocks of output rows as in rows_in_blocks, but a piece of the
         weight at a time for every group (pieces(): PIECE_BLOCKS blocks a thread): a batch whose
         rows one product cannot take (MKL's 16 fp32 rows) then reads a weight larger than the
-        cache from memory once, not once a group. 16 rows as two groups of 8, from memory: the
-        MLP's joint 6,144 x 576 in 1.0-1.1 ms against 1.4-1.5 a group at a time, the output
-        matrix 49,152 x 576 in 7.6-8.5 against 14.7-16.7 (docs/performance.md, round twenty-four).
+        cache from memory once, not once a group. 16 rows as two groups of 8, from memory, 2
+        threads: SmolLM2-135M's joint gate and up (3,072 x 576) in 671 us against 909 a group at
+        a time, its output matrix (49,152 x 576) in 10.6 ms against 20.9 (docs/performance.md,
+        round twenty-four).
         rowwise.linear's probes compare every row with its lone product before it is taken."""
         w = self.weight                                            # [N, K]
         N, K = w.shape
