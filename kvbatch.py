@@ -117,7 +117,7 @@ class BatchedCaches:
                 lse = torch.cat([lse_s.transpose(0, 1), lse], 1)    # [B', n_b+1, G, R]
             o = rows(merge_tasks, "merge", o, lse)                   # [B', G, R, D]
             o = o if o.dtype == q.dtype else o.to(q.dtype)
-            if whole:  # one kind of task: its rows are the step's, in order
+            if whole:  # one kind of task, in the step's order
                 return o.reshape(B, H, T, D)
             out[at] = o
         return out.reshape(B, H, T, D)
@@ -125,9 +125,10 @@ class BatchedCaches:
     def plan(self):
         """This step's (arena index of every task [B], {sealed chunks: ({offset of the position:
         the tasks' rows}, those rows in that order [B'], their arena indices [B'])}, whether the
-        step is whole: every task with as many sealed chunks and its position at one offset, task
-        i at arena index i, every index a task's; then every gather and scatter of the step is the
-        identity, and is skipped), made at its first layer."""
+        step is whole: every task with as many sealed chunks, task i at arena index i and at row i
+        of its kind, every index a task's; then the step's gathers and scatters are identities and
+        are skipped, and so is the open chunk's where its position is at one offset too), made at
+        its first layer."""
         if self.planned is None:
             index = torch.tensor([c.store.arena_index for c in self.caches])   # [B]
             alike = {}
@@ -138,8 +139,9 @@ class BatchedCaches:
             for n_b, offsets in alike.items():
                 at = torch.tensor([b for rows_b in offsets.values() for b in rows_b])
                 plan[n_b] = (offsets, at, index[at])
-            whole = (len(alike) == 1 and len(offsets) == 1 and len(self.caches) == self.arena.tasks
-                     and index.tolist() == list(range(len(self.caches))))
+            B = len(self.caches)
+            whole = (len(alike) == 1 and B == self.arena.tasks and index.tolist() == list(range(B))
+                     and at.tolist() == list(range(B)))
             self.planned = index, plan, whole
         return self.planned
 
@@ -166,8 +168,8 @@ class BatchedCaches:
         [B', G, R]) fp32, in rows_b's order. As one row of the arena (every index's chunk n_b: one
         copy of K and V into the tasks' slots, one call over the first off+1 positions, each index
         with its task's queries) where those tasks are at least half of the row and their layout's
-        chunks are views (whole, plan's: the row's indices are the step's tasks, in order); else a
-        task at a time, as KVCache.attend writes and attends."""
+        chunks are views (without gathers where they are the whole row of a whole step: plan);
+        else a task at a time, as KVCache.attend writes and attends."""
         G, R = q.shape[1], q.shape[2]
         arena = self.arena
         caches = [self.caches[b] for b in rows_b]
@@ -179,7 +181,7 @@ class BatchedCaches:
                           for c in caches]:
                 row = arena.grid(layer, n_b + 1)[n_b * arena.tasks:]   # [I, 2, 1, G, C, D]
                 chunk = row.transpose(0, 1).flatten(1, 2)              # [2, I, G, C, D]
-                if whole:  # the same copies and call, without gathers
+                if whole and len(rows_b) == arena.tasks:  # the same copies and call, no gathers
                     chunk[:, :, :, off] = torch.stack([k, v])[:, :, :, 0]   # [2, I, G, D]
                     k_o, v_o = layout.read(chunk, off + 1)             # [I, G, off+1, D]
                     return attend_open_chunk(q, k_o, v_o, off, R)     # [I, G, R, D], [I, G, R]

@@ -352,12 +352,18 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
     assert sorted(arena.free) == list(range(6))
 
 
+@pytest.mark.parametrize("lengths", [(37, 37, 37, 37), (33, 33, 35, 35), (33, 35, 33, 35)],
+                         ids=["one_length", "two_in_order", "two_interleaved"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "half"])
-def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtype, monkeypatch):
-    """Four tasks filling an arena of four, task i at index i, at one length: each step is whole
-    (BatchedCaches.plan), so the grid, the open chunk's row and the merge run without gathers or
-    scatters, and every row still equals, bit for bit, the task's logits alone. Midway a task
-    leaves and a shorter one takes its index: those steps are not whole, and their bits hold too."""
+def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtype, lengths,
+                                                                  monkeypatch):
+    """Four tasks filling an arena of four, task i at index i: a step where they have as many
+    sealed chunks and their rows, grouped by offset, stay in order is whole (BatchedCaches.plan),
+    so the grid and the merge run without gathers or scatters, and so does the open chunk's row
+    where they are at one offset; every row still equals, bit for bit, the task's logits alone.
+    Two offsets in order are whole with a row of open chunks each; interleaved, never. Midway a
+    task leaves and a shorter one takes its index: those steps are not whole, and their bits
+    hold too."""
     if kv_dtype == "half":
         kv_dtype = "fp16" if model.output.weight.dtype == torch.bfloat16 else "bf16"
     plan = kvbatch.BatchedCaches.plan
@@ -370,7 +376,7 @@ def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtyp
         return planned
     monkeypatch.setattr(kvbatch.BatchedCaches, "plan", seen_plan)
     g = torch.Generator().manual_seed(4)
-    ids = [torch.randint(3, model.args.vocab_size, (1, 37), generator=g) for _ in range(4)]
+    ids = [torch.randint(3, model.args.vocab_size, (1, n), generator=g) for n in lengths]
     late = torch.randint(3, model.args.vocab_size, (1, 30), generator=g)
     none = OffloadConfig()
     ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
@@ -393,7 +399,14 @@ def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtyp
         for step, (a, b) in enumerate(zip(seen[i], want)):
             assert torch.equal(a, b), f"task {i}, step {step}"
     steps = [whole for _, whole in wholes]
-    assert len(steps) == STEPS and all(steps[:STEPS // 2]) and not any(steps[STEPS // 2:])
+    assert len(steps) == STEPS and not any(steps[STEPS // 2:])
+
+    def whole(s):  # as many sealed chunks, and the rows grouped by offset in the tasks' order
+        at = [b for off in dict.fromkeys((n + s) % C for n in lengths)
+              for b, n in enumerate(lengths) if (n + s) % C == off]
+        return len({(n + s) // C for n in lengths}) == 1 and at == [0, 1, 2, 3]
+    assert steps[:STEPS // 2] == [whole(s) for s in range(STEPS // 2)]
+    assert any(steps) == (lengths != (33, 35, 33, 35))
     for c in caches:
         c.store.close()
 
