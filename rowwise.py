@@ -87,6 +87,7 @@ SPLIT_COLUMNS = 3  # Linear's blocked product (blocked_fp32): up to this many ro
 BLOCKED_ROWS = 15  # Linear.rows_in_blocks: up to this many fp32 rows (MKL's few-rows path)
 PIECE_BYTES = 448 * 1024  # Linear.groups_in_pieces: a block of the weight at most this
 PIECE_BLOCKS = 2  # and a piece this many blocks a thread (two blocks: 864 KiB of MiB-sized L2)
+PIECES = "a piece of the weight at a time"  # how decisions() names groups_in_pieces
 WIDE_ROWS = 32  # a half-precision product of this many rows or more may be taken in fp32 (wide)
 WEIGHT_FIRST_ROWS = 16  # products of up to this many bf16 rows may take weight_first
 ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~half of them
@@ -523,7 +524,7 @@ def in_pieces(layer, x, g):
     w = layer.weight
     key = ("linear in pieces", g, tuple(w.shape), w.stride(), w.data_ptr() % 64, _has_bias(layer),
            tuple(x.shape), x.stride(), torch.get_num_threads())
-    name = f"{type(layer).__name__} {tuple(w.shape)} float32 in pieces of {g} rows"
+    name = f"{type(layer).__name__} {tuple(w.shape)} float32, groups of {g} {PIECES}"
     return _decide(key, lambda: _linear_agrees(layer, x, lambda l, x_: l.groups_in_pieces(x_, g)),
                    (name, tuple(x.shape[:2])))
 

@@ -24,7 +24,7 @@ from generate import Sampling
 from kvbatch import make_arena
 from offload import OffloadConfig
 from pools import OffloadError
-from rowwise import decisions
+from rowwise import PIECES, decisions
 from runs import launch, speculation
 from runs.batcher import Batcher
 from runs.cores import one_thread_here
@@ -171,12 +171,15 @@ def run_batched(model, prompts, mode, args):
 
 def rowwise_summary():
     """{operation: "one call at 2x1, 3x1; not one call at ..."} from rowwise.decisions(): the
-    rows of a size that is not one call go in smaller groups that are, or one at a time."""
+    rows of a size that is not one call go in smaller groups that are, or one at a time (groups
+    read a piece of the weight at a time: "taken at ...", where their probes vouch)."""
     by_op = {}
     for what, (B, T), one in decisions():
         by_op.setdefault(what, {True: [], False: []})[one].append(f"{B}x{T}")
-    return {what: "; ".join(f"{'one call' if one else 'not one call'} at {', '.join(r)}"
-                            for one, r in ways.items() if r)
+    words = {True: "one call", False: "not one call"}
+    pieces = {True: "taken", False: "not taken"}
+    return {what: "; ".join(f"{(pieces if what.endswith(PIECES) else words)[one]} at "
+                            f"{', '.join(r)}" for one, r in ways.items() if r)
             for what, ways in by_op.items()}
 
 

@@ -392,3 +392,19 @@ def test_sixteen_tasks_decoding_together_each_get_their_lone_logits(trained_ckpt
             assert torch.equal(logits[i:i + 1], alone), (kind, step, i)
     for c in caches + lone:
         c.store.close()
+
+
+def test_the_proofs_summary_says_how_each_row_count_went(monkeypatch):
+    """verify.py's line per operation: "one call" where a row count's rows share a product, "not
+    one call" where they went in groups or one at a time, and a batch's groups that read a piece of
+    the weight at a time "taken" or "not taken", never "one call" (they are many)."""
+    from runs.proofs import rowwise_summary
+    decided = {1: ("Linear (3072, 576) float32", (8, 1), True),
+               2: ("Linear (3072, 576) float32", (16, 1), False),
+               3: (f"Linear (3072, 576) float32, groups of 8 {rowwise.PIECES}", (16, 1), True),
+               4: (f"Linear (576, 576) float32, groups of 8 {rowwise.PIECES}", (16, 1), False)}
+    monkeypatch.setattr(rowwise, "_DECIDED", decided)
+    assert rowwise_summary() == {
+        "Linear (3072, 576) float32": "one call at 8x1; not one call at 16x1",
+        f"Linear (3072, 576) float32, groups of 8 {rowwise.PIECES}": "taken at 16x1",
+        f"Linear (576, 576) float32, groups of 8 {rowwise.PIECES}": "not taken at 16x1"}
