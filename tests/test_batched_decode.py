@@ -284,6 +284,36 @@ def test_verify_batch_fails_when_a_row_depends_on_its_neighbours(text_ckpt, tmp_
 # -----------------------------------------------------------------------------
 # tasks whose chunks share one arena (--offload none on CPU): one kernel call a layer
 
+def decode_together(model, ids, late, leaves, arena, kv_dtype):
+    """The tasks of prompts ids decode together in arena (task i at index i), STEPS steps; midway
+    task `leaves` leaves and a task of prompt late takes its index, over its chunks. Every row of
+    every step must equal, bit for bit, its task's logits alone."""
+    none = OffloadConfig()
+    ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
+    ref_late = alone(model, late, none, STEPS // 2, kv_dtype)
+    caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
+    assert [c.store.arena_index for c in caches] == list(range(len(ids)))
+    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
+    seen = [[] for _ in ids]
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            caches[leaves].store.close()
+            caches[leaves] = make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena)
+            assert caches[leaves].store.arena_index == leaves
+            logits = torch.cat([logits[:leaves], prefill(model, caches[leaves], late),
+                                logits[leaves + 1:]])
+        for i in range(len(ids)):
+            seen[i].append(logits[i:i + 1].clone())
+        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
+        assert not failed
+    for i in range(len(ids)):
+        want = ref[i] if i != leaves else ref[leaves][:STEPS // 2] + ref_late
+        for step, (a, b) in enumerate(zip(seen[i], want)):
+            assert torch.equal(a, b), f"task {i}, step {step}"
+    for c in caches:
+        c.store.close()
+
+
 ARENA_PROMPTS = (40, 45, 40, 33, 40)  # near lengths: the grid pays; three at one offset
 
 
@@ -321,34 +351,12 @@ def test_tasks_in_one_arena_attend_in_one_call_with_their_lone_bits(model, kv_dt
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(3, model.args.vocab_size, (1, n), generator=g) for n in ARENA_PROMPTS]
     late = torch.randint(3, model.args.vocab_size, (1, 44), generator=g)
-    none = OffloadConfig()
-    ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
-    ref_late = alone(model, late, none, STEPS // 2, kv_dtype)
     arena = kvbatch.make_arena(model, 6, C, 200, kv_dtype)
-    caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
-    assert [c.store.arena_index for c in caches] == [0, 1, 2, 3, 4]
-    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
-    seen = [[] for _ in ids]
-    for step in range(STEPS):
-        if step == STEPS // 2:  # task 1 leaves; a new task takes its index and its chunks
-            caches[1].store.close()
-            caches[1] = make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena)
-            assert caches[1].store.arena_index == 1
-            logits = torch.cat([logits[:1], prefill(model, caches[1], late), logits[2:]])
-        for i in range(len(ids)):
-            seen[i].append(logits[i:i + 1].clone())
-        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
-        assert not failed
-    for i in range(len(ids)):
-        want = ref[i] if i != 1 else ref[1][:STEPS // 2] + ref_late
-        for step, (a, b) in enumerate(zip(seen[i], want)):
-            assert torch.equal(a, b), f"task {i}, step {step}"
+    decode_together(model, ids, late, 1, arena, kv_dtype)
     assert calls["grid"] == STEPS * model.args.n_layers   # one sealed call a layer, every step
     assert calls["merged"] >= 4  # tasks with as many sealed chunks, at other offsets: one merge
     # some steps' open chunks in one call, where the layout's open chunk is a view (not int8, int4)
     assert (calls["open rows"] > 0) == (kv_dtype not in ("int8", "int4"))
-    for c in caches:
-        c.store.close()
     assert sorted(arena.free) == list(range(6))
 
 
@@ -378,26 +386,7 @@ def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtyp
     g = torch.Generator().manual_seed(4)
     ids = [torch.randint(3, model.args.vocab_size, (1, n), generator=g) for n in lengths]
     late = torch.randint(3, model.args.vocab_size, (1, 30), generator=g)
-    none = OffloadConfig()
-    ref = [alone(model, p, none, kv_dtype=kv_dtype) for p in ids]
-    ref_late = alone(model, late, none, STEPS // 2, kv_dtype)
-    arena = kvbatch.make_arena(model, 4, C, 200, kv_dtype)
-    caches = [make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena) for _ in ids]
-    logits = torch.cat([prefill(model, c, p) for c, p in zip(caches, ids)])
-    seen = [[] for _ in ids]
-    for step in range(STEPS):
-        if step == STEPS // 2:
-            caches[2].store.close()
-            caches[2] = make_cache(model, none, C, 200, kv_dtype=kv_dtype, arena=arena)
-            logits = torch.cat([logits[:2], prefill(model, caches[2], late), logits[3:]])
-        for i in range(len(ids)):
-            seen[i].append(logits[i:i + 1].clone())
-        logits, failed = decode_batch(model, caches, logits.argmax(-1, keepdim=True))
-        assert not failed
-    for i in range(len(ids)):
-        want = ref[i] if i != 2 else ref[2][:STEPS // 2] + ref_late
-        for step, (a, b) in enumerate(zip(seen[i], want)):
-            assert torch.equal(a, b), f"task {i}, step {step}"
+    decode_together(model, ids, late, 2, kvbatch.make_arena(model, 4, C, 200, kv_dtype), kv_dtype)
     steps = [whole for _, whole in wholes]
     assert len(steps) == STEPS and not any(steps[STEPS // 2:])
 
@@ -407,8 +396,6 @@ def test_a_whole_step_takes_no_gathers_and_keeps_every_tasks_bits(model, kv_dtyp
         return len({(n + s) // C for n in lengths}) == 1 and at == [0, 1, 2, 3]
     assert steps[:STEPS // 2] == [whole(s) for s in range(STEPS // 2)]
     assert any(steps) == (lengths != (33, 35, 33, 35))
-    for c in caches:
-        c.store.close()
 
 
 def test_a_job_without_offload_shares_an_arena(text_ckpt, tmp_path, capsys, monkeypatch):
