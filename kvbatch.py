@@ -14,9 +14,11 @@ batch, computed apart from the others (attention.attend_chunks), so each task's 
 of its own call, bit for bit. The tasks whose open chunks are the same chunk at the same offset
 are one row of the arena: one copy writes their positions and one call attends them. Their merges
 run as one where rowwise.rows's probes show each task the bits of its own (the tasks the outer
-dimension of every operation). Row b of the step is then exactly what task b computes alone,
-whatever tasks share it; a layer or step the grid does not take (a sliding window, a --select that
-drops chunks, the compiled kernel, an arena mostly empty) runs a task at a time, as before.
+dimension of every operation). Where the step's tasks fill the arena in its order (a whole step,
+plan), those placements and gathers are identities and are skipped. Row b of the step is then
+exactly what task b computes alone, whatever tasks share it; a layer or step the grid does not
+take (a sliding window, a --select that drops chunks, the compiled kernel, an arena mostly empty)
+runs a task at a time, as before.
 """
 import math
 import os
