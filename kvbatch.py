@@ -102,7 +102,7 @@ class BatchedCaches:
         index, alike, whole = self.plan()
         n = max(alike)
         sealed = self.sealed_grid(layer, q, n, index, whole) if n else None
-        out = torch.empty(B, G, R, D, dtype=q.dtype)
+        out = None if whole else torch.empty(B, G, R, D, dtype=q.dtype)  # whole: its own o
         for n_b, (offsets, at, at_i) in alike.items():
             opened = []
             for off, rows_b in offsets.items():

@@ -58,8 +58,8 @@ torch's product is oneDNN's, whose one-row path sums K >= 1536 in another order 
 to 16 rows (those agree among themselves): there `Linear` takes a lone row as the row and a zero row
 (lone_row_padded, decided on probes), so that a batch or a verify step is one product of its rows
 rather than a product a row. So does fp32 on Intel's CPUs, where MKL's one-row product (a threaded
-GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs 10-20% of
-its read in the layers' products (the output matrix's is as fast), and a batch of 16 is two
+GEMV) sums in another order than its product of 2 to 15 rows: the lone row padded costs 5-30% of its
+read in the layers' products (by shape and minute; docs/performance.md), and a batch of 16 is two
 groups of 8 (16 rows take a third order) that read each piece of a weight in turn, 3 to BLOCKED_ROWS
 rows as one product of the weight's blocks of output rows (rows_in_blocks, faster than MKL's product
 of the whole weight; docs/performance.md, round twenty-three). Where oneDNN computes bf16 on AMX
@@ -172,8 +172,8 @@ class Linear(nn.Linear):
         cache from memory once, not once a group. 16 rows as two groups of 8, from memory, 2
         threads: SmolLM2-135M's joint gate and up (3,072 x 576) in 671 us against 909 a group at
         a time, its output matrix (49,152 x 576) in 10.6 ms against 20.9 (docs/performance.md,
-        round twenty-four).
-        rowwise.linear's probes compare every row with its lone product before it is taken."""
+        round twenty-four). rowwise.linear's probes compare every row with its lone product
+        before it is taken."""
         w = self.weight                                            # [N, K]
         N, K = w.shape
         n, p = pieces(self)                                        # blocks, blocks a piece
