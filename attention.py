@@ -170,7 +170,8 @@ def widened(x, which, dtype=torch.float32):
 
 def attend_few(q, k, v):
     """attend_chunks for a step of few query rows: q [B, G, R*T, D] padded with zero rows to
-    padded_rows (mostly QUERY_ROWS), the stack cut back to its R*T rows, contiguous. A step of
+    padded_rows (mostly QUERY_ROWS), the stack cut back to its R*T rows (views: every merge is
+    element by element or reads a concatenation, so strides change no bit). A step of
     several positions (speculate.attend_rows) can then put its positions' rows in one call and
     give each position the bits of its own step, where the kernel's rows are their own bits from
     QUERY_ROWS rows up (rowwise.shared_rows decides on probes): on this project's CPU the fused
@@ -178,9 +179,7 @@ def attend_few(q, k, v):
     docs/speculation.md)."""
     RT = q.shape[2]
     o, lse = attend_chunks(pad_rows(q, padded_rows(q, k)), k, v)  # [n, B, G, rows, ...]
-    # contiguous whatever the kernel's layout (its lse may come transposed): the merges after
-    # see the same strides in every call
-    return o[..., :RT, :].contiguous(), lse[..., :RT].contiguous()
+    return o[..., :RT, :], lse[..., :RT]
 
 
 def padded_rows(q, k):

@@ -14,7 +14,7 @@ import torch
 
 import fewrows
 import rowwise
-from attention import QUERY_ROWS, attend_chunks, attend_few, padded_rows
+from attention import QUERY_ROWS, Partials, attend_chunks, attend_few, padded_rows
 from kvcache import chunk_groups
 from kvlayout import Int8Layout, PlainLayout
 from offload import OffloadConfig, TieredStore
@@ -199,13 +199,21 @@ def test_the_open_chunk_through_the_compiled_kernel_is_attention_over_its_writte
 def test_few_rows_padded_give_the_unpadded_attention(dtype, R):
     """attend_few pads a step's few query rows with zeros for the kernel (padded_rows) and cuts
     the partials back: the same attention (to rounding) as the rows alone, from a float64
-    reference, contiguous as a lone call's."""
+    reference; views of the padded call that merge to the bits of contiguous copies."""
     g = torch.Generator().manual_seed(R)
     q = torch.randn(1, G, R, D, generator=g).to(dtype) / math.sqrt(D)
     k, v = (torch.randn(2, 1, G, C, D, generator=g).to(dtype) for _ in range(2))
     o, lse = attend_few(q, k, v)                                    # [2, 1, G, R, D], [2, 1, G, R]
     assert o.shape == (2, 1, G, R, D) and lse.shape == (2, 1, G, R)
-    assert o.is_contiguous() and lse.is_contiguous()
+    for group in (1, 2, 3):  # merged as a decode step's one group, and as a prefill's groups
+        merged = []
+        for dense in (False, True):
+            parts = Partials(group)
+            for _ in range(2):  # a merge works in place: each stack a call of its own
+                stack = attend_few(q, k, v)
+                parts.add(*(t.contiguous() if dense else t for t in stack))
+            merged.append(parts.output())
+        assert torch.equal(merged[0], merged[1])
     s = torch.einsum("bgrd,nbgcd->nbgrc", q.double(), k.double())   # [2, 1, G, R, C]
     ref_o = torch.einsum("nbgrc,nbgcd->nbgrd", s.softmax(-1), v.double())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
