@@ -94,6 +94,7 @@ ROW_TRIALS = 16  # probes of a row function: a vector/scalar split shows in ~hal
 _DECIDED = {}    # key -> (what, (B, T), whether one call gives every row its lone bits)
 _PROBES = {}     # a weight's kind, shape and layout -> (its zero-sum probe layer, the pairs)
 _LONE = {}       # key -> whether Linear takes a lone half-precision row as two (lone_row_padded)
+_ZERO_ROWS = {}  # (K, dtype) -> a zero row [1, K] on CPU (zero_row)
 _BLOCKED = None  # whether this CPU is not Intel's (intel, blocked_fp32), read once
 _AMX = None      # whether oneDNN may compute bf16 on AMX tiles here (weight_first), read once
 
@@ -110,12 +111,18 @@ class Linear(nn.Linear):
     fewrows.PRODUCT_ROWS rows in half precision on CPU is the compiled fewrows.few_rows_product
     instead, each row's bits its own by construction."""
 
+    one_row = None  # (what one row's path was decided for, the path): one_row_path
+
     def forward(self, x):
         w = self.weight                                            # [N, K]
+        N, K = w.shape
+        if x.numel() == K and w.is_cpu and self.one_row_path(x) == "padded":
+            # the row and a zero row: [2, K] (lone_row_padded)
+            x2 = torch.cat([x.reshape(1, K), zero_row(K, x.dtype)])
+            return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         few = fewrows.product_kernel(x, w, self.bias)  # --products compiled: a few half rows
         if few is not None:
             return fewrows.call_product(few, x, w, self.bias)     # [..., N]
-        N, K = w.shape
         M = x.numel() // K                                         # rows
         if (M <= WEIGHT_FIRST_ROWS and x.dtype == w.dtype == torch.bfloat16 and w.is_cpu
                 and weight_first(self, x)):
@@ -124,10 +131,6 @@ class Linear(nn.Linear):
                 return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
             y = torch.mm(w, x.reshape(M, K).t())                     # [N, M]
             return y.t().contiguous().view(*x.shape[:-1], N)         # [..., N]
-        if (M == 1 and w.is_cpu and (w.dtype != torch.float32 or not blocked_fp32(self, x))
-                and lone_row_padded(self, x)):
-            x2 = torch.cat([x.reshape(1, K), x.new_zeros(1, K)])   # [2, K]: the row, a zero row
-            return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
         if 2 < M <= BLOCKED_ROWS and blocked_rows(self, x):
             return self.rows_in_blocks(x)                          # [..., N]
         if w.dtype == x.dtype and wide(x):
@@ -148,6 +151,23 @@ class Linear(nn.Linear):
             y = y.permute(2, 0, 1).contiguous()
         y = y.view(*x.shape[:-1], N)                               # [..., N]
         return y if self.bias is None else y + self.bias
+
+    def one_row_path(self, x):
+        """"padded" where this layer's product of one row x [..., K] (CPU) is taken as the row and
+        a zero row (lone_row_padded), else "other" (the checks in forward decide). Decided once
+        per weight and x's dtype and layout, thread count and --products, then read from the
+        layer: a decode step makes a hundred products, and the checks cost more than a small
+        one's call (docs/performance.md, round twenty-five)."""
+        w = self.weight
+        key = (x.dtype, x.stride(-1), x.is_contiguous(), w.data_ptr(), w.dtype, w.shape,
+               w.stride(), self.bias is None, torch.get_num_threads(), fewrows.PRODUCTS)
+        if self.one_row is None or self.one_row[0] != key:
+            padded = (fewrows.product_kernel(x, w, self.bias) is None
+                      and not (x.dtype == w.dtype == torch.bfloat16 and weight_first(self, x))
+                      and (w.dtype != torch.float32 or not blocked_fp32(self, x))
+                      and lone_row_padded(self, x))
+            self.one_row = (key, "padded" if padded else "other")
+        return self.one_row[1]
 
     def rows_in_blocks(self, x):
         """x [..., K] (3 to BLOCKED_ROWS fp32 rows, contiguous) times the weight as one batched
@@ -194,6 +214,17 @@ class Linear(nn.Linear):
         joint = cls(layers[0].in_features, sum(l.out_features for l in layers),
                     bias=layers[0].bias is not None, device="meta")
         return concatenate(layers, joint, ("weight", "bias"))
+
+
+def zero_row(K, dtype):
+    """A zero row [1, K] of dtype on CPU, made once and shared (a lone row's padding: read, never
+    written); a normal tensor even when first asked for under inference_mode, so that products
+    outside it may read it too."""
+    key = (K, dtype)
+    if key not in _ZERO_ROWS:
+        with torch.inference_mode(False):
+            _ZERO_ROWS[key] = torch.zeros(1, K, dtype=dtype)
+    return _ZERO_ROWS[key]
 
 
 def wide(x):

@@ -163,6 +163,49 @@ def test_a_one_row_path_of_its_own_is_taken_as_two_rows(monkeypatch, dtype):
     assert fake.calls == [16]  # one product for the 16 rows
 
 
+def test_a_lone_rows_path_is_decided_once_per_weight_threads_and_layout(monkeypatch):
+    """A decode step's lone row takes its layer's remembered path (Linear.one_row_path): the checks
+    run again only for another weight, thread count or input layout, and the remembered path gives
+    the bits the checks give."""
+    fake = OneRowPath()
+    monkeypatch.setattr(rowwise, "F", fake)
+    for table in ("_DECIDED", "_PROBES", "_LONE"):
+        monkeypatch.setattr(rowwise, table, {})
+    monkeypatch.setattr(rowwise, "_BLOCKED", False)
+    checks = []
+    lone_row_padded = rowwise.lone_row_padded
+    monkeypatch.setattr(rowwise, "lone_row_padded",
+                        lambda layer, x: checks.append(1) or lone_row_padded(layer, x))
+    g = torch.Generator().manual_seed(3)
+    layer = rowwise.Linear(1536, 576, bias=False)
+    layer.weight = nn.Parameter(trained_weight(576, 1536, g), requires_grad=False)
+    x = activations((1, 1, 1536), g)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            first = layer(x)
+            assert checks == [1] and fake.calls[-1] == 2  # decided: the row and a zero row
+            for _ in range(3):
+                assert torch.equal(layer(x), first)
+            assert checks == [1] and fake.calls[-3:] == [2, 2, 2]
+            other = rowwise.Linear(1536, 576, bias=False)  # the same weight, nothing remembered
+            other.weight = layer.weight
+            assert torch.equal(other(x), first) and checks == [1, 1]
+            layer.weight = nn.Parameter(layer.weight.clone(), requires_grad=False)
+            assert torch.equal(layer(x), first) and len(checks) == 3  # another weight
+            torch.set_num_threads(1 if threads > 1 else 2)
+            layer(x)
+            assert len(checks) == 4  # another thread count
+            torch.set_num_threads(threads)
+            assert torch.equal(layer(x), first) and len(checks) == 5
+            strided = torch.zeros(1, 1, 2 * 1536)[..., ::2]
+            strided.copy_(x)
+            layer(strided)
+            assert len(checks) == 6  # another layout
+    finally:
+        torch.set_num_threads(threads)
+
+
 class ReordersFromRows(OneRowPath):
     """torch.nn.functional with a linear that sums K in two halves from `rows` rows up, one order
     below: as MKL's fp32 product of 16 rows against its product of 2 to 15 on Intel's CPUs."""
