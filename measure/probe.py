@@ -275,10 +275,12 @@ def zstd_on_real_kv(model, chunk_size, n_chunks=2, kv_dtype="auto"):
 def filled_cache(model, ctx, chunk_size, room, kv_dtype="auto"):
     """A cache at context ctx (--offload none), filled with synthetic K and V through its own verbs
     instead of a prefill: seconds, not minutes, at any context. `room`: positions left for
-    decoding."""
+    decoding. The same K and V in every call (a seeded generator), so that two trees or two paths
+    can be compared bit for bit on the same cache."""
     model_args = model.args
     dev = model.tok_embeddings.weight.device
     cache = make_cache(model, OffloadConfig(), chunk_size, ctx + room, kv_dtype=kv_dtype)
+    g = torch.Generator(dev).manual_seed(0)
     G = model.layers[0].attention.wk.out_features // model.args.head_dim
     while cache.length < ctx:
         off = cache.length % chunk_size
@@ -286,7 +288,8 @@ def filled_cache(model, ctx, chunk_size, room, kv_dtype="auto"):
         cache.begin(n)
         # what attention writes for n positions, through the cache's layout
         for layer in range(model_args.n_layers):
-            kv = torch.rand(2, 1, G, n, model_args.head_dim, device=dev)  # [2, B, G, n, D]: K, V
+            # [2, B, G, n, D]: K, V
+            kv = torch.rand(2, 1, G, n, model_args.head_dim, device=dev, generator=g)
             k, v = kv.sub_(0.5).mul_(2)                                      # uniform in [-1, 1)
             cache.layout.write(cache.store.open_chunk(layer), off, k, v)
         if cache.commit():  # a full chunk is sealed, as after a prefill step

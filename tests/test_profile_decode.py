@@ -50,3 +50,27 @@ def test_half_precision_kv_halves_what_attention_reads(capsys):
                                  / 2**20, 1)
     assert read["fp16"] == round(context * 2 * t["kv_heads"] * t["head_dim"] * 2 * t["layers"]
                                  / 2**20, 1)
+
+
+def test_a_filled_cache_is_the_same_in_every_call(tmp_path):
+    """measure.probe.filled_cache writes the same synthetic K and V every time (a seeded
+    generator, whatever torch's global one did before), so two trees or two paths can be
+    compared bit for bit on it."""
+    import torch
+
+    from measure.probe import filled_cache
+    from measure.random_model import build_random_checkpoint, parse_model_spec
+    from model import Transformer
+
+    build_random_checkpoint(parse_model_spec("tiny"), tmp_path, torch.float32, "cpu")
+    model = Transformer.from_pretrained(tmp_path)
+    written = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        cache = filled_cache(model, 40, 16, 4)        # two sealed chunks, 8 open positions
+        assert cache.n_sealed == 2 and cache.length == 40
+        sealed = torch.empty(cache.store.shape, dtype=cache.store.dtype)
+        cache.store.read_back(1, 1, sealed)           # layer 1's second chunk
+        written.append((sealed, cache.store.open_chunk(0)[..., :8, :].clone()))
+    for a, b in zip(*written):
+        assert torch.equal(a, b) and a.abs().sum() > 0
