@@ -153,11 +153,11 @@ class Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def one_row_path(self, x):
-        """"padded" where this layer's product of one row x [..., K] (CPU) is taken as the row and
-        a zero row (lone_row_padded), else "other" (the checks in forward decide). Decided once
-        per weight and x's dtype and layout, thread count and --products, then read from the
-        layer: a decode step makes a hundred products, and the checks cost more than a small
-        one's call (docs/performance.md, round twenty-five)."""
+        """How this layer takes a product of one row x [..., K] (CPU): "padded", as the row and a
+        zero row (lone_row_padded), or "other" (the checks in forward decide). Decided once per
+        weight, x's dtype and layout, thread count and --products, then read from the layer: a
+        decode step makes a hundred products, and the checks cost about a fifth of a small one's
+        call (docs/performance.md, round twenty-five)."""
         w = self.weight
         key = (x.dtype, x.stride(-1), x.is_contiguous(), w.data_ptr(), w.dtype, w.shape,
                w.stride(), self.bias is None, torch.get_num_threads(), fewrows.PRODUCTS)
