@@ -116,19 +116,19 @@ class Linear(nn.Linear):
     def forward(self, x):
         w = self.weight                                            # [N, K]
         N, K = w.shape
-        if x.numel() == K and w.is_cpu and self.one_row_path(x) == "padded":
-            # the row and a zero row: [2, K] (lone_row_padded)
+        path = self.one_row_path(x) if x.numel() == K and w.is_cpu else None
+        if path == "padded":  # the row and a zero row: [2, K] (lone_row_padded)
             x2 = torch.cat([x.reshape(1, K), zero_row(K, x.dtype)])
             return F.linear(x2, w, self.bias)[:1].view(*x.shape[:-1], N)
+        if path == "column":  # the weight times the row (weight_first): [N, K] x [K]
+            return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
         few = fewrows.product_kernel(x, w, self.bias)  # --products compiled: a few half rows
         if few is not None:
             return fewrows.call_product(few, x, w, self.bias)     # [..., N]
         M = x.numel() // K                                         # rows
         if (M <= WEIGHT_FIRST_ROWS and x.dtype == w.dtype == torch.bfloat16 and w.is_cpu
                 and weight_first(self, x)):
-            # the weight as the product's rows (weight_first): [N, K] x [K] or x [K, M]
-            if M == 1:
-                return torch.mv(w, x.reshape(K)).view(*x.shape[:-1], N)
+            # the weight as the product's rows (weight_first): [N, K] x [K, M] (one row: above)
             y = torch.mm(w, x.reshape(M, K).t())                     # [N, M]
             return y.t().contiguous().view(*x.shape[:-1], N)         # [..., N]
         if 2 < M <= BLOCKED_ROWS and blocked_rows(self, x):
@@ -154,19 +154,24 @@ class Linear(nn.Linear):
 
     def one_row_path(self, x):
         """How this layer takes a product of one row x [..., K] (CPU): "padded", as the row and a
-        zero row (lone_row_padded), or "other" (the checks in forward decide). Decided once per
+        zero row (lone_row_padded); "column", the weight times the row (weight_first); or "other"
+        (forward's checks: the compiled product, the blocked one, F.linear). Decided once per
         weight, x's dtype and layout, thread count and --products, then read from the layer: a
         decode step makes a hundred products, and the checks cost about a fifth of a small one's
         call (docs/performance.md, round twenty-five)."""
         w = self.weight
+        # id(_LONE): the decisions it was read from (a test that clears them decides afresh)
         key = (x.dtype, x.stride(-1), x.is_contiguous(), w.data_ptr(), w.dtype, w.shape,
-               w.stride(), self.bias is None, torch.get_num_threads(), fewrows.PRODUCTS)
+               w.stride(), self.bias is None, torch.get_num_threads(), fewrows.PRODUCTS, id(_LONE))
         if self.one_row is None or self.one_row[0] != key:
-            padded = (fewrows.product_kernel(x, w, self.bias) is None
-                      and not (x.dtype == w.dtype == torch.bfloat16 and weight_first(self, x))
-                      and (w.dtype != torch.float32 or not blocked_fp32(self, x))
-                      and lone_row_padded(self, x))
-            self.one_row = (key, "padded" if padded else "other")
+            library = fewrows.product_kernel(x, w, self.bias) is None  # not --products compiled's
+            path = "other"
+            if library and x.dtype == w.dtype == torch.bfloat16 and weight_first(self, x):
+                path = "column"
+            elif (library and (w.dtype != torch.float32 or not blocked_fp32(self, x))
+                  and lone_row_padded(self, x)):
+                path = "padded"
+            self.one_row = (key, path)
         return self.one_row[1]
 
     def rows_in_blocks(self, x):
