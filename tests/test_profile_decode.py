@@ -33,6 +33,14 @@ def test_every_part_is_clocked_and_its_bytes_are_the_weights_and_kv_it_reads(cap
     # K and V of every position, every layer
     assert rows["attend"][1] == round(context * 2 * G * D * fp32 * L / mib, 1)
     assert "aten::" in out  # torch.profiler's table
+    # the timed step split into the kernels' self time (profiled) and the rest
+    m = re.search(r"the step's ([\d.]+) ms: the library's products ([\d.]+) ms \(\d+%\), "
+                  r"attention's fused kernel ([\d.]+) ms \(\d+%\) \(their self time under "
+                  r"torch.profiler\), everything else (-?[\d.]+) ms", out)
+    assert m, out
+    step, products, attention, rest = (float(g) for g in m.groups())
+    assert step == float(re.search(r"step ([\d.]+) ms \(median", out).group(1)), out
+    assert products > 0 and attention > 0 and rest > 0, out  # in ms, each under the step
 
 
 def test_half_precision_kv_halves_what_attention_reads(capsys):

@@ -3,7 +3,8 @@ Where a decode step's time goes: each part of a layer (the norms, the q, k, v an
 RoPE, attention over the chunks, the MLP's three matrices), the output head, and what is left (the
 embedding, the RoPE tables, the cache's bookkeeping); for each part the bytes it reads and the rate
 it reads them at, against this machine's read bandwidth (the memory roofline's denominator); then
-the slowest layer against the median one, and torch.profiler's operators.
+the slowest layer against the median one, torch.profiler's operators, and a profiled step split into
+the library's products, attention's fused kernel and everything else.
 
     python tools/profile_decode.py --random-model smollm2-135m --context 2048
     python tools/profile_decode.py --ckpt DIR --context 4096 --dtype bf16 --offload disk
@@ -43,6 +44,11 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # a layer's parts, in the order a step runs them: (name, the modules whose forward it times)
 LINEARS = {"q, k, v": ("attention.wq", "attention.wk", "attention.wv"), "o": ("attention.wo",),
            "gate, up": ("feed_forward.w1", "feed_forward.w3"), "down": ("feed_forward.w2",)}
+# the library's kernels a step streams its bytes through, by torch.profiler's names (self time)
+PRODUCT_KERNELS = ("aten::mm", "aten::addmm", "aten::mv", "aten::addmv_", "aten::bmm",
+                   "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu")
+ATTENTION_KERNELS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+PROFILED_STEPS = 4
 
 
 def clocked(fn, key, spent):
@@ -182,9 +188,30 @@ def profile(model, cache, logits, args):
     print(f"\nper layer: median {median_layer * 1e3:.3f} ms, slowest layer {slowest} "
           f"{layers[slowest] * 1e3:.3f} ms, fastest {min(layers) * 1e3:.3f} ms\n")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(4):
+        for _ in range(PROFILED_STEPS):
             token = decode_one_token(model, cache, token).argmax(-1, keepdim=True)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    print(kernels_and_the_rest(averages, step))
+
+
+def kernels_and_the_rest(averages, step):
+    """One line: a step (step seconds, timed without the profiler) split into the library's
+    products and attention's fused kernel (their self time under torch.profiler, a step's share)
+    and everything else (the small operators, Python between them, the cache's bookkeeping): the
+    share no faster kernel can take, only fewer calls between kernels."""
+    self_s = collections.defaultdict(float)
+    for a in averages:
+        self_s[a.key] += a.self_cpu_time_total / 1e6 / PROFILED_STEPS
+    products = sum(self_s[k] for k in PRODUCT_KERNELS)
+    attention = sum(self_s[k] for k in ATTENTION_KERNELS)
+    rest = step - products - attention
+    return (f"the step's {step * 1e3:.2f} ms: the library's products {products * 1e3:.2f} ms "
+            f"({products / step:.0%}), attention's fused kernel {attention * 1e3:.2f} ms "
+            f"({attention / step:.0%}) (their self time under torch.profiler), everything else "
+            f"{rest * 1e3:.2f} ms ({rest / step:.0%}): the small operators, Python between them "
+            "and the cache's bookkeeping (with --attention or --products compiled, inductor's "
+            "kernels too: the profiler does not name them)")
 
 
 if __name__ == "__main__":
