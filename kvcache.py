@@ -235,14 +235,18 @@ class KVCache:
         R*T, D] (scaled) at offsets off..off+T-1. One position that sees every key up to its own
         (a decode step; a verify step's row, speculate.py) reads the chunk's first off+1 positions
         as a chunk of that length, through the compiled kernel where the sealed chunks' visits
-        take it: K and V as held, and no fused kernel's call; else attention.attend_open_chunk.
-        A function of offsets, shapes and dtypes only, so placement-free."""
+        take it: K and V as held, and no fused kernel's call; else attention.attend_open_chunk,
+        on what read_held gave where the layout's read gives the same (an int8 chunk dequantized
+        once). A function of offsets, shapes and dtypes only, so placement-free."""
         T = q.shape[2] // R
         if T == 1 and (W is None or off < W):
             k, v = self.layout.read_held(kv, off + 1)       # [B, G, off+1, D]
             if few_rows_kernel(q, k) is not None:
                 o, lse = attend_chunks(q, k[None], v[None])  # [1, B, G, R, D], [1, B, G, R]
                 return o[0], lse[0]
+            layout = type(self.layout)
+            if layout.read_held is layout.read:  # read gives these same values: read once
+                return attend_open_chunk(q, k, v, off, R, W)
         # k, v [B, G, off+T, D]
         return attend_open_chunk(q, *self.layout.read(kv, off + T), off, R, W)
 

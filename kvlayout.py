@@ -46,9 +46,9 @@ class PlainLayout:
         views made in two calls (a visit is the hot loop)."""
         return chunk.narrow(3, 0, upto).unbind(0)
 
-    def read_held(self, chunk, upto):
-        """(k, v) [B, G, upto, D] as held: views (the compiled kernel reads any float dtype)."""
-        return PlainLayout.read(self, chunk, upto)
+    # (k, v) as held: views (the compiled kernel reads any float dtype); a layout whose read_held
+    # is its read gives attention the open chunk's K and V in one read (KVCache.attend_open)
+    read_held = read
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks held as one tensor [n, 2, B, G, C, D]:

@@ -81,6 +81,34 @@ def test_plain_layout_reads_views():
     assert k2.data_ptr() == chunk.data_ptr() and torch.equal(v2[:, :, 5:], v.bfloat16())
 
 
+def test_a_decode_step_dequantizes_the_open_chunk_once_a_layer(llama, monkeypatch):
+    """The open chunk's K and V, held as int8, are dequantized once a layer in a decode step; the
+    path that read them again for the fused kernel (taken here by a read_held that is not the
+    layout's read) dequantized them twice, to the same logits: the same arithmetic on the same
+    bytes."""
+    from generate import decode_one_token
+    from measure.probe import filled_cache
+    reads = []
+    read = Int8Layout.read
+
+    def counted(self, chunk, upto):
+        reads.append(upto)
+        return read(self, chunk, upto)
+    logits = {}
+    with torch.inference_mode():
+        for path in ("once", "twice"):
+            cache = filled_cache(llama, 40, 16, 8, kv_dtype="int8")
+            monkeypatch.setattr(Int8Layout, "read", counted)
+            # the same function under another name where the second path is taken
+            held = counted if path == "once" else (lambda *a: counted(*a))
+            monkeypatch.setattr(Int8Layout, "read_held", held)
+            reads.clear()
+            logits[path] = decode_one_token(llama, cache, torch.full((1, 1), 3))
+            per_layer = 1 if path == "once" else 2
+            assert reads == [40 % 16 + 1] * per_layer * llama.args.n_layers, path
+    assert torch.equal(logits["once"], logits["twice"])
+
+
 def test_int8_chunk_is_about_half_of_bf16():
     """A [2, 1, G, C, D] chunk: bf16 holds 2 bytes an element, int8 one plus a 4-byte scale per row
     of D."""
