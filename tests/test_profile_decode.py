@@ -4,6 +4,8 @@ import os
 import re
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))
 import profile_decode  # noqa: E402
@@ -82,3 +84,27 @@ def test_a_filled_cache_is_the_same_in_every_call(tmp_path):
         written.append((sealed, cache.store.open_chunk(0)[..., :8, :].clone()))
     for a, b in zip(*written):
         assert torch.equal(a, b) and a.abs().sum() > 0
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--context", "0"], "--context 0: give at least 1"),
+    (["--steps", "0"], "--steps 0: give at least 1"),
+    (["--chunk-size", "-1"], "--chunk-size -1: give at least 1"),
+    (["--threads", "0"], "--threads 0: give at least 1"),
+    (["--random-model", "bogus"], "--random-model: cannot read 'bogus'"),
+    (["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(flags, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        profile_decode.main(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+def test_a_context_past_the_models_is_refused_before_any_work(checkpoint, capsys):
+    ckpt = checkpoint(max_position_embeddings=256)
+    with pytest.raises(SystemExit) as e:
+        profile_decode.main(["--ckpt", ckpt, "--context", "250", "--steps", "4"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "262 positions, past the model's context of 256; give a --context of at most 244" in err

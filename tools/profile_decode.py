@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fewrows  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
 from generate import decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from kvlayout import KV_DTYPES  # noqa: E402
@@ -118,18 +119,37 @@ def main(argv=None):
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="how K and V are held (kvlayout.py)")
     args = p.parse_args(argv)
+    for flag, value, least in (("--context", args.context, 1), ("--steps", args.steps, 1),
+                               ("--chunk-size", args.chunk_size, 1), ("--window", args.window, 1),
+                               ("--ops", args.ops, 0)):
+        if value < least:
+            p.error(f"{flag} {value}: give at least {least}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads {args.threads}: give at least 1")
     watch = CoreWatch()
     dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt
         if ckpt is None:
+            try:
+                spec = parse_model_spec(args.random_model)
+            except ValueError as e:
+                p.error(str(e))
             ckpt = os.path.join(tmp, "model")
-            build_random_checkpoint(parse_model_spec(args.random_model), ckpt, dtype, "cpu")
-        model = Transformer.from_pretrained(ckpt, dtype=dtype, quantize=args.quantize)
+            build_random_checkpoint(spec, ckpt, dtype, "cpu")
+        try:
+            model = Transformer.from_pretrained(ckpt, dtype=dtype, quantize=args.quantize)
+        except CheckpointError as e:
+            p.error(str(e))
+        # the prompt, 4 warm-up steps, the timed ones, 4 profiled and room to spare
+        total = args.context + args.steps + 8
+        if total > model.args.max_context:
+            p.error(f"--context {args.context} plus --steps {args.steps} and 8 more: {total} "
+                    f"positions, past the model's context of {model.args.max_context}; give a "
+                    f"--context of at most {model.args.max_context - args.steps - 8}")
         if args.threads or "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(args.threads or watch.threads()[0])
         cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=tmp + "/kv")
-        total = args.context + args.steps + 8
         fewrows.KERNEL = args.attention
         fewrows.PRODUCTS = args.products
         cache = make_cache(model, cfg, args.chunk_size, total, kv_dtype=args.kv_dtype)
