@@ -44,6 +44,10 @@ def merge(o, lse):
 
 
 def main():
+    if len(sys.argv) != 3 or not sys.argv[1].isdigit():
+        print("usage: python tools/attend_groups.py THREADS L[,L...]     e.g. 2 2048,6144",
+              file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(int(sys.argv[1]))
     for L in [int(x) for x in sys.argv[2].split(",")]:
         n = L // C

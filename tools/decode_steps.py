@@ -17,6 +17,11 @@ import statistics
 import sys
 import time
 
+USAGE = ("usage: python tools/decode_steps.py TREE fp32|bf16 1024,2048,6144 THREADS "
+         "[none|int8|int4 [KV_DTYPE]]")
+if len(sys.argv) < 5 or sys.argv[2] not in ("fp32", "bf16") or not sys.argv[4].isdigit():
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)
 tree, dtype, contexts, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 quantize = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None
 kv_dtype = sys.argv[6] if len(sys.argv) > 6 else "auto"  # --kv-dtype

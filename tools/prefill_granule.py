@@ -28,6 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from checkpoint import CheckpointError  # noqa: E402
 from generate import forward  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from measure.random_model import build_random_checkpoint, parse_model_spec  # noqa: E402
@@ -151,7 +152,10 @@ def main(argv=None):
         tmp = tempfile.mkdtemp(prefix="granule-model-")
         ckpt = build_random_checkpoint(parse_model_spec(args.random_model), tmp, torch.float32)
     try:
-        model = Transformer.from_pretrained(ckpt)
+        try:
+            model = Transformer.from_pretrained(ckpt)
+        except CheckpointError as e:
+            p.error(str(e))
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(3, model.args.vocab_size, (1, args.context), generator=g)  # [B, P]
         a = model.args

@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import speculate  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
 from generate import Sampling, decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -154,7 +155,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o700)
         for dtype in args.dtypes.split(","):
-            model = Transformer.from_pretrained(args.ckpt, dtype=DTYPES[dtype])
+            try:
+                model = Transformer.from_pretrained(args.ckpt, dtype=DTYPES[dtype])
+            except CheckpointError as e:
+                p.error(str(e))
             store = argparse.Namespace(kv=KVStore(os.path.join(tmp, f"store-{dtype}")),
                                        fingerprint=run_fingerprint(model_fingerprint(args.ckpt),
                                                                    dtype=dtype))

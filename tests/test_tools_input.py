@@ -1,0 +1,24 @@
+"""The measurement tools users are pointed to (docs/performance.md): a wrong argument or a missing
+checkpoint is one line on stderr and exit 2, never a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("tool, args, says", [
+    ("decode_steps.py", [], "usage: python tools/decode_steps.py TREE"),
+    ("decode_steps.py", [ROOT, "fp64", "1024", "2"], "usage: python tools/decode_steps.py TREE"),
+    ("attend_groups.py", ["two", "2048"], "usage: python tools/attend_groups.py THREADS"),
+    ("speculation.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+    ("prefill_granule.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+])
+def test_bad_input_is_one_line_and_exit_2(tool, args, says):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    # argparse's usage lines, if any, then the one line that says what is wrong
+    assert says in p.stderr.strip().splitlines()[-1] and "Traceback" not in p.stderr, p.stderr
