@@ -38,11 +38,13 @@ def test_every_part_is_clocked_and_its_bytes_are_the_weights_and_kv_it_reads(cap
     # the timed step split into the kernels' self time (profiled) and the rest
     m = re.search(r"the step's ([\d.]+) ms: the library's products ([\d.]+) ms \(\d+%\), "
                   r"attention's fused kernel ([\d.]+) ms \(\d+%\) \(their self time under "
-                  r"torch.profiler\), everything else (-?[\d.]+) ms", out)
+                  r"torch.profiler\), everything else ([\d.]+ ms|not measurable)", out)
     assert m, out
-    step, products, attention, rest = (float(g) for g in m.groups())
+    step, products, attention = (float(g) for g in m.groups()[:3])
     assert step == float(re.search(r"step ([\d.]+) ms \(median", out).group(1)), out
-    assert products > 0 and attention > 0 and rest > 0, out  # in ms, each under the step
+    # the kernels were found by their names (the rest is not measurable where a busy machine
+    # slowed the profiled steps, which are not the timed ones)
+    assert products > 0 and attention > 0, out
 
 
 def test_half_precision_kv_halves_what_attention_reads(capsys):
@@ -108,3 +110,21 @@ def test_a_context_past_the_models_is_refused_before_any_work(checkpoint, capsys
     err = capsys.readouterr().err
     assert e.value.code == 2, err
     assert "262 positions, past the model's context of 256; give a --context of at most 244" in err
+
+
+def test_the_split_names_each_kernel_once_and_owns_up_to_a_slower_profiled_step():
+    """kernels_and_the_rest: products and attention's kernel from their self times a profiled step
+    (PROFILED_STEPS of them), other operators in neither; where they sum past the timed step (the
+    profiled steps ran slower) the rest is not made up."""
+    class Average:
+        def __init__(self, key, us):
+            self.key = key
+            self.self_cpu_time_total = us * profile_decode.PROFILED_STEPS
+    averages = [Average("aten::mm", 300), Average("aten::_weight_int8pack_mm", 200),
+                Average("aten::_scaled_dot_product_flash_attention_for_cpu", 250),
+                Average("aten::cat", 900)]
+    line = profile_decode.kernels_and_the_rest(averages, 0.0015)
+    assert "products 0.50 ms (33%), attention's fused kernel 0.25 ms (17%)" in line, line
+    assert "everything else 0.75 ms (50%)" in line, line
+    line = profile_decode.kernels_and_the_rest(averages, 0.0006)
+    assert "everything else not measurable here" in line, line

@@ -226,12 +226,15 @@ def kernels_and_the_rest(averages, step):
     products = sum(self_s[k] for k in PRODUCT_KERNELS)
     attention = sum(self_s[k] for k in ATTENTION_KERNELS)
     rest = step - products - attention
-    return (f"the step's {step * 1e3:.2f} ms: the library's products {products * 1e3:.2f} ms "
+    head = (f"the step's {step * 1e3:.2f} ms: the library's products {products * 1e3:.2f} ms "
             f"({products / step:.0%}), attention's fused kernel {attention * 1e3:.2f} ms "
-            f"({attention / step:.0%}) (their self time under torch.profiler), everything else "
-            f"{rest * 1e3:.2f} ms ({rest / step:.0%}): the small operators, Python between them "
-            "and the cache's bookkeeping (with --attention or --products compiled, inductor's "
-            "kernels too: the profiler does not name them)")
+            f"({attention / step:.0%}) (their self time under torch.profiler), ")
+    if rest < 0:  # the profiled steps ran slower than the timed ones
+        return head + "everything else not measurable here (a busy machine? run it again)"
+    return head + (f"everything else {rest * 1e3:.2f} ms ({rest / step:.0%}): the small "
+                   "operators, Python between them and the cache's bookkeeping (with --attention "
+                   "or --products compiled, inductor's kernels too: the profiler does not name "
+                   "them)")
 
 
 if __name__ == "__main__":
