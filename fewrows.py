@@ -38,7 +38,7 @@ import torch
 FEW_ROWS = 48    # query rows a kv head up to which a chunk visit takes it (16 positions at R 3)
 STRIP = 16       # features of V a weighted sum accumulates at once: one AVX-512 register of fp32
 # --attention: "flash" (torch's fused kernels), "compiled" (few_rows on CPU) or "auto" (compiled
-# where it is the faster of the two on this CPU and dtype: compiled_pays)
+# where it was measured the faster of the two for this kind of CPU and dtype: compiled_pays)
 KERNEL = "flash"
 _FEW = {}        # (K dtype, kv heads, D) -> the compiled few_rows (fp32 queries), or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
@@ -140,7 +140,9 @@ def compiled_pays(dtype):
     without them (AVX2) torch's fused kernel reads bf16 faster than inductor's loops convert it
     (30.9 ms against 41.8-50.9; a 6K step 100-109 ms against 117-129): there half-precision
     queries (bf16 weights, and --quantize's bf16 activations) keep the fused kernel
-    (docs/performance.md, round fifteen). A function of dtype and machine, read once a process."""
+    (docs/performance.md, round fifteen). On an Intel Xeon with AMX (family 6 model 207) the two
+    are within 5% of each other in a step either way (round twenty-eight): the rule stands. A
+    function of dtype and machine, read once a process."""
     return dtype == torch.float32 or native_half(dtype)
 
 

@@ -105,11 +105,12 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    "fused kernel; compiled = one that inductor builds for a few query rows "
                    "(needs a C++ compiler, else flash with one line saying why; 3-6 seconds to "
                    "build as the cache is made, its C++ cached in ~/.cache/kvoffload/inductor); "
-                   "auto = compiled where it is the faster here: fp32 queries, and bf16 ones on "
+                   "auto = compiled for fp32 queries, and for bf16 ones on "
                    "a CPU with AVX512-BF16 (on AVX2 the fused kernel reads bf16 faster). On a "
                    "Zen 4, 6,400 positions: 15%% faster steps in fp32, 8-15%% in bf16, int8 and "
-                   "int4, 2-3%% at 1,280 (docs/performance.md, round eighteen): the choice for "
-                   "long contexts. Either way every "
+                   "int4, 2-3%% at 1,280 (docs/performance.md, round eighteen); on an Intel "
+                   "Xeon with AMX within a few %% of flash either way (round twenty-eight), so "
+                   "try it on your CPU for long contexts. Either way every "
                    "--offload mode is bit-identical to the others (default %(default)s)")
     p.add_argument("--products", choices=("library", "compiled"), default="library",
                    help="the linears of a decode step's few rows (up to 16) in bf16 or fp16 on "
