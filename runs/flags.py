@@ -116,9 +116,11 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
                    help="the linears of a decode step's few rows (up to 16) in bf16 or fp16 on "
                    "CPU: library = torch's products; compiled = one that inductor builds, each "
                    "output a dot product in fp32 (needs a C++ compiler; a few seconds as the "
-                   "cache is made, cached like --attention compiled): one sequence's decode "
-                   "reads the weights about 1.5x faster, a batch of 16 tasks runs slower "
-                   "(docs/performance.md, round seventeen); fp32 keeps torch's. Every --offload "
+                   "cache is made, cached like --attention compiled). On a Zen 4 one "
+                   "sequence's decode read the weights about 1.5x faster (docs/performance.md, "
+                   "round seventeen); on an Intel Xeon with AMX a 6K step is 1.6x slower "
+                   "(round twenty-nine), and a batch of 16 tasks ran slower on the Zen 4: measure "
+                   "it on your CPU (tools/profile_decode.py). fp32 keeps torch's. Every --offload "
                    "mode and batch stays bit-identical (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: OMP_NUM_THREADS if set, else the cores "
