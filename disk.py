@@ -249,6 +249,9 @@ class DiskError(OSError):
     """The disk tier cannot be created or written; errno tells why (DISK_FULL lists the ones a
     fallback can cure)."""
 
+    def __str__(self):  # the sentence alone: the errno is for code, not for the user
+        return self.strerror or super().__str__()
+
 
 DISK_FULL = (errno.ENOSPC, errno.EFBIG, errno.EACCES, errno.EROFS, errno.EDQUOT, errno.EPERM)
 TRANSIENT = (errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY)

@@ -24,7 +24,7 @@ The few rows of a decode step meet the weights too: with --products compiled a l
 rows (few_rows_product) in half precision is built the same way, each output one dot product over
 the input features in fp32 in registers, rounded once. On a Zen 4 torch's own one-row
 half-precision product read the weight at half its rate (docs/performance.md, round seventeen);
-on an Intel Xeon with AMX torch's reads it 2-3x faster than this build (round twenty-nine), so
+on an Intel Xeon with AMX torch's reads it 1.5-3.5x faster than this build (round twenty-nine), so
 the library stays the default. fp32 keeps rowwise.Linear's blocked product, as fast as a build.
 """
 import math

@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from disk import ALIGN, DiskTier, as_bytes, round_up
+from disk import ALIGN, DiskError, DiskTier, as_bytes, round_up
 from policy import Placement, host_budget_refusal, plan_tiers
 from pools import (
     DEVICE,
@@ -161,8 +161,13 @@ class TieredStore(Prefetcher):
                 except PrivateError as e:
                     raise OffloadError(str(e)) from None
                 disk_path = self.own_dir = tempfile.mkdtemp(prefix="kv-", dir=cfg.offload_dir)
-            self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype, cfg.compress,
-                                 restore=restore)
+            try:
+                self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype,
+                                     cfg.compress, restore=restore)
+            except DiskError:  # a full disk: the directory of our own goes with what it holds
+                if self.own_dir:
+                    shutil.rmtree(self.own_dir, ignore_errors=True)
+                raise
         offloading = cfg.mode != "none"
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="kv-read") if offloading else None
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write") if self.disk else None

@@ -84,15 +84,18 @@ def open_private(path, flags):
         fd = os.open(path, flags, FILE_MODE)
     except OSError:
         if os.path.islink(path):  # ELOOP, or EEXIST with O_EXCL: either way a link is there
-            raise PrivateError(f"{path} is a symbolic link, which this project never makes; "
-                               "remove it") from None
+            raise PrivateError(f"{path} is a symbolic link, which this project never writes or "
+                               "reads through; give another path") from None
         raise
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # a device, a FIFO, a socket: never ours to write
+        os.close(fd)
+        raise PrivateError(f"{path} is not a regular file; give another path")
     # nlink 0 is a file removed since the open (an eviction): ours still; 2 or more is not
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink > 1:
+    if st.st_uid != os.getuid() or st.st_nlink > 1:
         os.close(fd)
         raise PrivateError(f"{path} is not a file of this project's (a file of your own with one "
-                           "link); remove it")
+                           "link); remove it, or give another path")
     os.set_blocking(fd, True)
     return fd
 
@@ -106,6 +109,32 @@ def create_private(dirpath, prefix, flags=0):
             return open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | flags), path
         except FileExistsError:
             continue  # 64 random bits taken already: draw again
+
+
+def output_problem(path):
+    """Why a file the user names for output (--json) cannot be written, as the end of a sentence,
+    or None: checked before any work, so that a run is not lost at its end. Its directory must
+    exist and be writable; a name already taken must be a regular file, which the output replaces
+    (write_atomic) - never a directory, a device, or a symbolic link, which write_atomic would
+    replace by a file."""
+    if os.path.lexists(path):
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            return "is a symbolic link, which this project never writes through; give a file's path"
+        if stat.S_ISDIR(st.st_mode):
+            return "is a directory; give the path of a file in it"
+        if not stat.S_ISREG(st.st_mode):
+            return "is not a regular file; give the path of a file"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return "cannot be written: its directory does not exist"
+    try:  # a file made and removed where the output's temporary file will be (write_atomic)
+        fd, probe = create_private(parent, f".{os.path.basename(path)}.tmp-")
+        os.close(fd)
+        os.remove(probe)
+    except (OSError, PrivateError) as e:
+        return f"cannot be written ({getattr(e, 'strerror', None) or e}); choose another path"
+    return None
 
 
 def write_atomic(path, data):

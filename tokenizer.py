@@ -188,6 +188,28 @@ class Tokenizer:
         return ids[len(newline):] if ids[:len(newline)] == newline else self.tok.EncodeAsIds(text)
 
 
+class TextStream:
+    """The text of a growing list of token ids, shown as it grows: each update decodes every id so
+    far and returns what is new. The bytes of one UTF-8 character may come in several tokens (byte
+    fallback, byte-level BPE), so a text that ends in U+FFFD waits for the next token; the last
+    update (final) gives it as it is. Shown text is never taken back: where a decode changes
+    what was already shown, nothing more is shown until it agrees again."""
+
+    def __init__(self, decode):
+        self.decode = decode
+        self.shown = ""
+
+    def update(self, ids, final=False):
+        full = self.decode(ids)
+        if not final:
+            full = full.rstrip("\ufffd")
+        if not full.startswith(self.shown):
+            return ""
+        new = full[len(self.shown):]
+        self.shown = full
+        return new
+
+
 def load_tokenizer(ckpt_dir):
     """The checkpoint's tokenizer, or None when it ships none (then only token ids can be
     generated)."""

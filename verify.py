@@ -5,7 +5,7 @@ The proof that offload changes where the bytes of the KV cache live, not the mat
         --modes cpu,disk,disk+zstd
 
 Greedy generation with --offload none, then with each mode, on the same prompt and chunk size; the
-generated ids and the logits of every forward step are compared with torch.equal. Then the model
+generated ids and the logits of every forward step are compared bit for bit. Then the model
 runs once unchunked and uncached (plain causal attention over prompt + generated tokens): its greedy
 ids must agree, and the largest logit difference is reported (not bit-identical: a different
 kernel schedule rounds differently). This file is the proof alone, on the core; its command line
@@ -95,11 +95,20 @@ def compare(base, other):
         la = by_pos.get(pos)
         if la is None:
             return i, pos, phase, "a step the reference never ran"
-        if not torch.equal(la, lb):
+        if not same_bits(la, lb):
             return i, pos, phase, f"logits differ (max |diff| {(la - lb).abs().max().item():.3g})"
     if decode_positions(steps_a) != decode_positions(steps_b) or ids_a != ids_b:
         return len(steps_b), None, "decode", f"generated ids differ: {ids_a} vs {ids_b}"
     return None
+
+
+def same_bits(a, b):
+    """Whether two tensors hold the same bits: torch.equal on integer views, so that a NaN (a model
+    that overflows in its dtype) equals the same NaN, as the bytes do."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(as_int), b.view(as_int))
 
 
 def prove(model, ids, max_new, chunk_size, cfgs, kv_dtype="auto", share=None):

@@ -660,8 +660,23 @@ def main(argv=None):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+        remove_own_tasks(args)
         remove_created_offload_dir(args)
     return write_report(args, report)
+
+
+def remove_own_tasks(args):
+    """A benchmark has nothing to resume: the task directories of this process's runs
+    (task_bench_<pid>_*, run_ours) that an interrupt or a failed run left in --offload-dir go, and
+    whatever is in them (a link goes, never its target)."""
+    prefix = f"task_bench_{os.getpid()}_"
+    try:
+        entries = list(os.scandir(args.offload_dir))
+    except OSError:  # no --offload-dir: nothing was written
+        return
+    for e in entries:
+        if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path, ignore_errors=True)
 
 
 def write_report(args, report):

@@ -134,10 +134,11 @@ def check_config(args, model_args):
     else:
         cause = (f"the context ({args.context} tokens = {n} chunks of {C}) fits in --window {W} "
                  "plus the open chunk")
-    fix = f"--window {max(0, n - 2)}"
+    # one chunk is never sealed, whatever the window: only a smaller chunk helps
+    fix = None if n == 1 else f"--window {max(0, n - 2)}"
     if smaller >= 16:
-        fix += f" or --chunk-size {smaller}"
-    return True, symptom, cause, fix
+        fix = f"{fix} or --chunk-size {smaller}" if fix else f"--chunk-size {smaller}"
+    return True, symptom, cause, fix or "a context of more chunks than --window + 1"
 
 
 def check_dir(args):
@@ -359,8 +360,9 @@ def main(argv=None):
     try:
         args.ckpt = args.ckpt or DEMO_CKPT
         check_ckpt_dir(args.ckpt)
-        positive = min(args.max_new_tokens, args.probe_mib // 8, args.context or 1) >= 1
-        if not positive or args.target_tok_s <= 0:
+        context_ok = args.context is None or args.context >= 1
+        positive = context_ok and min(args.max_new_tokens, args.probe_mib // 8) >= 1
+        if not positive or not 0 < args.target_tok_s < math.inf:  # nan is refused too
             raise UsageError("--max-new-tokens, --context and --target-tok-s must be > 0 and "
                              "--probe-mib >= 8")
         if args.compress == "zstd" and args.offload != "disk":
@@ -372,6 +374,9 @@ def main(argv=None):
         args.device = device
         model_args = read_model_args(args.ckpt)
         args.context = args.context or min(8192, model_args.max_context)
+        if args.context > model_args.max_context:
+            raise UsageError(f"--context {args.context} is past the model's maximum context of "
+                             f"{model_args.max_context} positions; give at most that")
         set_threads(args)  # cores.py: the cores this run may use
         model = Transformer.from_pretrained(args.ckpt, device=args.device if device_ok else "cpu",
                                             dtype=DTYPES[args.dtype])

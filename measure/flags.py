@@ -5,6 +5,7 @@ one of a given shape), its contexts and modes, refused before any weight is load
 import os
 
 from measure.random_model import PRESETS, build_random_checkpoint, parse_model_spec
+from private import output_problem
 from rope import context_refusal
 from runs.flags import (
     DEMO_CKPT,
@@ -64,8 +65,9 @@ def check_measure(args, verb):
     if args.layers is not None and (args.layers < 1 or not args.random_model):
         raise UsageError("--layers goes with --random-model and must be >= 1")
     check_common(args, needs_disk=True)  # the disk tier, the probe's scratch files
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise UsageError(f"--json {args.json}: its directory does not exist")
+    problem = args.json and output_problem(args.json)
+    if problem:
+        raise UsageError(f"--json {args.json} {problem}")
     if args.random_model:
         try:
             args.sizes = parse_model_spec(args.random_model, args.layers)

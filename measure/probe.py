@@ -574,7 +574,13 @@ def check(args):
     """Every flag, before any heavy work. Returns (contexts, modes)."""
     if min(args.new_tokens - 1, args.repeats, args.probe_mib // 8) < 1:
         raise UsageError("--new-tokens must be >= 2, --repeats >= 1 and --probe-mib >= 8")
-    return check_measure(args, "probe")
+    out = check_measure(args, "probe")  # makes --offload-dir, where the disk test file goes
+    free = shutil.disk_usage(args.offload_dir).free
+    if args.probe_mib << 20 > free // 2:
+        raise UsageError(f"--probe-mib {args.probe_mib}: the disk test file would take more than "
+                         f"half of the {free >> 20:,} MiB free in {args.offload_dir}; lower "
+                         "--probe-mib or give another --offload-dir")
+    return out
 
 
 def main(argv=None):

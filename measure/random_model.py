@@ -15,6 +15,7 @@ import torch
 
 from checkpoint import ours_to_hf
 from model import ModelArgs, Transformer
+from private import FILE_MODE, make_private_dir, write_atomic
 
 SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
 PRESETS = {  # --random-model NAME[,key=value,...]
@@ -131,8 +132,11 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
         std = 1.0 if name.startswith("tok_embeddings") else p.shape[-1] ** -0.5
         w = torch.randn(p.shape, generator=g, device=device) * std
         tensors[ours_to_hf(name)] = w.to(dtype).cpu()
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if not os.path.isdir(out_dir):  # made private (0700), as everything this project writes
+        make_private_dir(out_dir, "the random model's directory")
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.chmod(weights, FILE_MODE)
     hf_config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -154,8 +158,7 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2)
+    write_atomic(os.path.join(out_dir, "config.json"), json.dumps(hf_config, indent=2).encode())
     # a byte-level tokenizer (ids 0-255), so that generate.py can encode a prompt for it
     if model_args.vocab_size >= 256:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -163,7 +166,7 @@ def build_random_checkpoint(sizes, out_dir, dtype, device="cpu", max_positions=1
         tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        tok.save(os.path.join(out_dir, "tokenizer.json"))
+        write_atomic(os.path.join(out_dir, "tokenizer.json"), tok.to_str().encode())
     return out_dir
 
 

@@ -237,6 +237,11 @@ def search(model, model_args, args, log):
     weights = weight_bytes(model)
     free = shutil.disk_usage(args.offload_dir).free
     cands = fitting_candidates(model_args, args, cuda, free)
+    if all(c.pruned for c in cands):  # not even int4 KV fits: nothing to measure
+        why = next((c.pruned for c in cands), "no chunk size can be planned")
+        raise UsageError(f"no configuration fits the budgets at --context {ctx}, int4 KV "
+                         f"included ({why}); raise --device-budget or --cpu-budget, or lower "
+                         "--context")
     modes = ["disk+zstd"] if any(c.compress == "zstd" for c in cands) else []
     sizes = sorted({c.chunk_size for c in cands if not c.pruned})
     cals = {C: [] for C in sizes}

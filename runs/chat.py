@@ -21,6 +21,7 @@ import torch
 
 from generate import generate
 from kvcache import make_cache
+from policy import default_dense
 from private import make_private_dir
 from runs.monitor import fmt_bytes
 from runs.session import (
@@ -40,6 +41,7 @@ from runs.session import (
     write_manifest,
 )
 from runs.task import PromptCache
+from tokenizer import TextStream
 
 HELP = ("commands: /save (save now), /reset (forget the conversation, keep the document), "
         "/drop K (forget the K oldest turns, the rest recomputed), /stats (tiers, bytes moved, "
@@ -148,9 +150,14 @@ class Chat:
                                f"{self.path}) or give another --session")
         # the settings a person gives first, the fingerprint (which covers some of them) last
         for key, flag in FLAG_OF.items():
-            if m.get(key) != self.settings.get(key):
-                was, now = (v if v is not None else "as the default" for v in
-                            (m.get(key), self.settings.get(key)))
+            was, now = m.get(key), self.settings.get(key)
+            if key == "select" and isinstance(was, list) and isinstance(now, list):
+                was, now = (self.effective_select(x) for x in (was, now))
+                # the first setting of the selection that differs, under its own flag's name
+                i = next((i for i, (a, b) in enumerate(zip(was, now)) if a != b), 0)
+                flag, was, now = SELECT_FLAGS[i], was[i], now[i]
+            if was != now:
+                was, now = (v if v is not None else "as the default" for v in (was, now))
                 what = (f"{flag} {was} (this run: {now})" if flag else
                         "other weights (or another --rope-scaling, --quantize or --kv-dtype)")
                 raise SessionError(f"--session {self.path} was made with {what}; resume it with "
@@ -160,10 +167,12 @@ class Chat:
         if why:
             raise SessionError(f"--session {self.path}: {MANIFEST_NAME} {why}; remove it "
                                f"(chat.py --remove {self.path}) or give another --session")
-        held = len(m["tokens"]) + len(m["pending"])
-        if held >= self.max_length:
-            raise SessionError(f"--session {self.path} holds {held} positions, which leave no "
-                               f"room in --max-length {self.max_length}; raise --max-length")
+        # a session as long as the context opens (its next question is refused, /reset and /drop
+        # make room); one longer than this run's --max-length cannot be held
+        held = len(m["tokens"])
+        if held > self.max_length:
+            raise SessionError(f"--session {self.path} holds {held} positions, more than "
+                               f"--max-length {self.max_length}; raise --max-length")
         self.messages, self.tokens, self.segments = m["messages"], m["tokens"], m["segments"]
         self.pending, self.rendered, self.gen = m["pending"], m["rendered"], m["gen"]
         self.turns, self.head = m["turns"], m["head"]
@@ -172,6 +181,14 @@ class Chat:
         self.crcs = m["chunks"][:self.cache.n_sealed]
         self.open_crc = m["open"] if self.cache.length == (m["open"] or {}).get("length") else None
         return len(self.tokens) - self.cache.length
+
+    def effective_select(self, select):
+        """settings["select"] with --select-dense's default made explicit (None and the default's
+        count select alike)."""
+        name, budget, dense, window = select
+        if dense is None:
+            dense = default_dense(self.model.args.n_layers)
+        return [name, budget, dense, window]
 
     def prefill_document(self, kv_store=None, progress=None):
         """A new session's first step: the system message and the document. With --kv-store the
@@ -282,7 +299,7 @@ class Chat:
     def answer(self, ids, max_new, t0):
         """Generate after ids (the whole conversation, the cache holding all but the turn's own
         tokens), streaming the text. Returns (the answer's ids, the turn's numbers)."""
-        shown = [""]
+        text_stream = TextStream(self.tok.decode)  # a character split over tokens waits for them
         got = []
         clock = {"first": None, "prefill_end": None}
         h = new_digest()
@@ -293,9 +310,7 @@ class Chat:
             got[:] = out
             if clock["first"] is None:
                 clock["first"] = time.perf_counter()
-            full = self.tok.decode(out)
-            self.write(full[len(shown[0]):])
-            shown[0] = full
+            self.write(text_stream.update(out))
             if self.stop:
                 raise Stop
 
@@ -312,6 +327,9 @@ class Chat:
                      self.sampling, self.tok.eos_ids, on_token, on_step)
         except Stop:
             stopped = True
+        finally:
+            if got:  # what waited for bytes that never came is shown as it is
+                self.write(text_stream.update(got, final=True))
         t2 = time.perf_counter()
         after = self.cache.store.snapshot()["bytes"]
         return list(got), {
@@ -402,6 +420,8 @@ class Chat:
 
 
 # the settings the KV's bits depend on -> the flag that sets each (the fingerprint: the weights)
+# settings["select"]: [--select, --select-budget, --select-dense, --window]
+SELECT_FLAGS = ("--select", "--select-budget", "--select-dense", "--window")
 FLAG_OF = {"dtype": "--dtype", "chunk_size": "--chunk-size", "kv_dtype": "--kv-dtype",
            "device": "--device", "select": "--select", "attention": "--attention",
            "products": "--products", "fingerprint": None}
@@ -465,6 +485,11 @@ def repl(chat, read=input, progress=None):
 def command(chat, line, progress):
     """One line typed at the prompt: a command or a question. True to end the session."""
     if not line:
+        return False
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 (input() kept them as surrogates)
+        chat.log("chat.py: that line is not UTF-8 text; nothing was asked, type it again")
         return False
     if not line.startswith("/"):
         why = chat.turn(line, progress() if progress else None)

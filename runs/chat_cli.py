@@ -32,6 +32,7 @@ from runs.flags import (
     open_kv_store,
     quantize_mode,
     read_model_args,
+    remove_if_empty,
     rope_override,
     run_fingerprint,
     select_fields,
@@ -42,6 +43,8 @@ from runs.progress import Progress
 from runs.session import (
     SessionError,
     SessionLock,
+    check_subdirs,
+    forget_start,
     is_session,
     list_sessions,
     read_manifest,
@@ -57,7 +60,15 @@ def build_parser():
     p = argparse.ArgumentParser(
         prog="chat.py", description="Talk to a long document: each turn computes only its own "
         "tokens; the session is saved after every turn and resumed bit for bit with --session.")
-    add_common_flags(p, chunk_size=None, window=4)
+    add_common_flags(p, chunk_size=None, window=4,
+                     ckpt_help="Hugging Face checkpoint directory with a chat template (needed)")
+    for action in p._actions:  # what differs from the other scripts: say it
+        if action.dest == "chunk_size":
+            action.help = ("positions per KV chunk, the unit of transfer (default: the session's, "
+                           "else 512)")
+        elif action.dest == "offload_dir":
+            action.help = ("not used by chat.py: a session's disk tier lives in its own directory "
+                           "(SESSION/tier/)")
     p.add_argument("--document", metavar="FILE",
                    help="a UTF-8 text file put in the system message and prefilled once")
     p.add_argument("--system", help="a system message (before the document)")
@@ -92,16 +103,24 @@ def main(argv=None):
         if args.list:
             return list_main(args.list)
         if args.remove:
-            remove_session(args.remove)
-            print(f"removed {args.remove}")
+            left = remove_session(args.remove)
+            if left:
+                print(f"removed the session's files; {args.remove} stays, holding what is not a "
+                      f"session's: {', '.join(left)}")
+            else:
+                print(f"removed {args.remove}")
             return 0
         chat, lock, fresh = setup(args)
         kv_store = open_kv_store(args) if fresh else None
     except (UsageError, CheckpointError, OffloadError, SessionError, PrivateError,
             ValueError) as e:
         print(f"chat.py: error: {e}", file=sys.stderr)
-        if lock is not None:
-            lock.close()
+        if lock is not None:  # setup succeeded: a new session's start goes again
+            chat.close()
+            if fresh:
+                abandon_start(args, chat.path, lock, lock.created)
+            else:
+                lock.close()
         return 2
     try:
         if fresh:
@@ -161,7 +180,8 @@ def setup(args):
         if why:
             raise SessionError(f"--session {path}: {why}; remove it (chat.py --remove {path}) or "
                                "give another --session")
-    elif os.path.isdir(path) and os.listdir(path):
+        check_subdirs(path)
+    elif os.path.isdir(path) and set(os.listdir(path)) - {"lock"}:  # a lock alone: a failed start
         raise UsageError(f"--session {path} is a directory that holds no session; give a new or "
                          "empty directory")
     # what the KV's bits depend on, taken from the session unless given
@@ -220,8 +240,10 @@ def setup(args):
     except CheckpointError as e:  # generate.py's advice (drop --chat) is not chat.py's
         raise UsageError(str(e).replace("drop --chat or ", "")) from None
     fresh = m is None
-    make_private_dir(path, "--session")
+    created = make_private_dir(path, "--session")
     lock = SessionLock(path)
+    lock.created = created  # main's forget_start, where the start fails after setup
+    chat = None
     try:
         model = Transformer.from_pretrained(args.ckpt, device=args.device,
                                             dtype=DTYPES[args.dtype],
@@ -256,17 +278,34 @@ def setup(args):
                           "what is saved)")
             chat.resume()
     except BaseException:
-        lock.close()
+        if chat is not None:
+            chat.close()
+        if fresh:
+            abandon_start(args, path, lock, created)
+        else:
+            lock.close()
         raise
     return chat, lock, fresh
+
+
+def abandon_start(args, path, lock, created):
+    """A new session's start failed before its first save: what it made goes (forget_start), and
+    the default sessions' directory where it is left empty, so a later start finds nothing of it."""
+    forget_start(path, lock, created)
+    if args.session is None:
+        remove_if_empty(SESSIONS)
 
 
 def system_text(args):
     """The system message: --system, then the document (read here, UTF-8), or None."""
     parts = [] if args.system is None else [args.system]
+    try:
+        "".join(parts).encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogates here)
+        raise UsageError("--system holds bytes that are not UTF-8 text; give it in UTF-8") from None
     if args.document:
         try:
-            with open(args.document, encoding="utf-8") as f:
+            with open(args.document, encoding="utf-8-sig") as f:  # a BOM is no text
                 parts.append(f.read())
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--document {args.document}: cannot be read ({e})") from None

@@ -6,6 +6,7 @@ line on stderr and exit code 2.
 """
 import math
 import os
+import re
 import sys
 
 import torch
@@ -183,6 +184,9 @@ def check_common(args, needs_disk):
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (args.group_buffers >= 0,
          f"--group-buffers must be >= 0, got {args.group_buffers}"),
+        (re.fullmatch(r"cpu|cuda(:\d+)?", args.device),
+         f"--device {args.device!r} is not a device this project runs on; give cpu, cuda or "
+         "cuda:N"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
         (args.kv_store_budget is None
@@ -203,8 +207,10 @@ def check_common(args, needs_disk):
          or args.select_budget >= args.chunk_size,
          f"--select-budget {args.select_budget} is below one chunk of {args.chunk_size} "
          "positions; give at least --chunk-size tokens"),
-        (args.select_dense is None or (args.select != "all" and args.select_dense >= 0),
-         f"--select-dense N (N >= 0) goes with --select {', '.join(list(SELECTIONS)[1:])}"),
+        (args.select_dense is None or args.select != "all",
+         f"--select-dense N goes with --select {', '.join(list(SELECTIONS)[1:])}"),
+        (args.select_dense is None or args.select_dense >= 0,
+         f"--select-dense must be >= 0 layers, got {args.select_dense}"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -260,9 +266,18 @@ def open_kv_store(args, log=None):
 
 def check_writable_dir(path):
     """Create `path` if needed, check it is private (private.make_private_dir: yours, mode 700, not
-    a link) and writable; True if created here."""
+    a link) and writable. Returns the directories created here, `path` first, then the parents
+    it needed, up to the first that was there (empty where none was made)."""
+    if not path:
+        raise UsageError("--offload-dir is empty; give a directory")
+    made = []
+    d = os.path.abspath(path)
+    while not os.path.lexists(d):
+        made.append(d)
+        d = os.path.dirname(d)
     try:
-        created = make_private_dir(path, "--offload-dir")
+        if not make_private_dir(path, "--offload-dir"):
+            made = []  # another process made it first
         fd, probe = create_private(path, ".probe-")
         os.close(fd)
         os.remove(probe)
@@ -271,7 +286,7 @@ def check_writable_dir(path):
     except OSError as e:
         raise UsageError(f"--offload-dir {path}: cannot create or write it ({e.strerror or e}); "
                          "choose a writable directory") from None
-    return created
+    return made
 
 
 def check_ckpt_dir(path):
@@ -296,8 +311,10 @@ def remove_created_offload_dir(args):
     """On every exit of a script: the --offload-dir that check_common created for this run, or the
     default one an earlier run left its tasks in, is removed again if the run left it empty (a
     failed task's directory keeps it, for resume)."""
-    if getattr(args, "created_offload_dir", False) or getattr(args, "emptied_default_dir", False):
+    if getattr(args, "emptied_default_dir", False):
         remove_if_empty(args.offload_dir)
+    for d in getattr(args, "created_offload_dir", None) or ():  # the directory, then its parents
+        remove_if_empty(d)
 
 
 def read_model_args(ckpt, args=None):

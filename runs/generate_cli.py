@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -57,7 +58,7 @@ from runs.progress import Progress
 from runs.task import run_task
 from runs.taskdir import TaskDirError, safe_task_name
 from runs.tp import gather_stats
-from tokenizer import load_tokenizer
+from tokenizer import TextStream, load_tokenizer
 
 DEMO_PROMPT = ("A module is a file containing Python definitions and statements. The file name is "
                "the module name with the suffix .py appended. Within a module, the module's name "
@@ -223,12 +224,18 @@ def resolve(args):
     check_ckpt_dir(args.ckpt)
     if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
+            with open(args.prompt_file, encoding="utf-8-sig") as f:  # a BOM is no text
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    for flag, value in (("--prompt", args.prompt), ("--system", args.system)):
+        try:
+            value is None or value.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (surrogates here)
+            raise UsageError(f"{flag} holds bytes that are not UTF-8 text; give it in UTF-8 "
+                             "(or in a file, --prompt-file)") from None
     check_common(args, needs_disk=False)
     if args.offload == "disk":
         try:
@@ -300,6 +307,12 @@ def main(argv=None):
     except KeyboardInterrupt:
         print_interrupted(args)
         return 130
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): a lone prompt's task is not
+        # worth resuming (a batch keeps its tasks: its results go to --output)
+        for t in () if args.prompts else args.started:
+            shutil.rmtree(os.path.join(args.offload_dir, safe_task_name(t)), ignore_errors=True)
+        print_err("generate.py: stdout was closed before the end (a broken pipe): stopped")
+        return launch.BROKEN_PIPE
     finally:
         remove_created_offload_dir(args)
         if here:
@@ -500,14 +513,13 @@ def generate_main(args):
 def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     """One prompt: stream the text (or print one JSON object), then the statistics line on
     stderr."""
-    printed = [""]
+    text_stream = TextStream(tokenizer.decode)  # a character split over tokens waits for them
+    last = [None]  # the tokens of the latest call
 
-    # decode everything so far and print what is new: tokens may merge into one character
-    def stream(out):
-        full = tokenizer.decode(out)
-        sys.stdout.write(full[len(printed[0]):])
+    def stream(out, final=False):
+        last[0] = out
+        sys.stdout.write(text_stream.update(out, final))
         sys.stdout.flush()
-        printed[0] = full
 
     show_text = speak and not args.json
     if show_text and args.echo:
@@ -519,17 +531,21 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     except TaskDirError as e:  # its directory cannot be used: refused before any work
         print_err(f"generate.py: error: {e}")
         return 2
+    except BrokenPipeError:  # stdout's reader is gone: main says so
+        raise
     except (UsageError, OffloadError, OSError) as e:
         print_err(f"generate.py: error: {e}")
         return 1
     finally:
         progress.close()
         monitor.close()
-        if printed[0] or (show_text and args.echo):
+        if last[0] is not None:  # what waited for bytes that never came is printed as it is
+            stream(last[0], final=True)
+        if text_stream.shown or (show_text and args.echo):
             print(flush=True)  # the text streamed so far ends its line; stderr's sentence its own
     if speak and args.json:
         print(json.dumps(result, ensure_ascii=False))
-    elif speak and not (printed[0] or args.echo):
+    elif speak and not (text_stream.shown or args.echo):
         print()
     if speak:
         stats_line = progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"]))

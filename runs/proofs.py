@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import verify
 from checkpoint import CheckpointError
+from disk import DiskError
 from generate import Sampling
 from kvbatch import make_arena
 from offload import OffloadConfig
@@ -233,6 +234,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return run(args)
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): neither a proof nor a mismatch
+        print_err("verify.py: stdout was closed before the report's end (a broken pipe)")
+        return launch.BROKEN_PIPE
     finally:
         remove_created_offload_dir(args)
 
@@ -317,9 +321,13 @@ def run(args):
             for m in ["none"] + modes:
                 tasks, sizes, grid = run_batched(model, prompts, m, args)
                 batched[m] = ([verify.compare(a, b) for a, b in zip(alone, tasks)], sizes, grid)
-    except (UsageError, CheckpointError, OffloadError, ValueError) as e:
+    except (UsageError, CheckpointError, OffloadError, ValueError, DiskError) as e:
         launch.refuse(f"verify.py: error: {e}", layout)
         return 2
+    bad = next((pos for pos, _, logits in runs["none"][1] if not logits.isfinite().all()), None)
+    if bad is not None and layout.rank == 0:  # compared by their bits all the same (same_bits)
+        print_err(f"verify.py: note: the logits hold NaN or inf from position {bad} on: the "
+                  f"model overflows in --dtype {args.dtype}; they are compared by their bits")
 
     ref_ok, agree, ref_diff = verify.unchunked(model, ids, runs["none"])
     report = {}
@@ -378,7 +386,8 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
     if args.select != "all":
         none = report["none"]
         skipped = none["bytes"]["select_skipped"]
-        print(f"--select {args.select} (budget {args.select_budget} tokens): "
+        budget = f" (budget {args.select_budget} tokens)" if args.select_budget else ""
+        print(f"--select {args.select}{budget}: "
               f"{none['chunks_read_per_decode_step']:g} sealed chunks read per decode step, "
               f"{skipped / 2**20:.1f} MiB left unread over the run")
     print(f"{'mode':<24} {'ids+logits vs none':<20} {'chunks dev/host/disk':<22} "

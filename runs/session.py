@@ -27,13 +27,14 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import zlib
 
 import numpy as np
 import torch
 
 from generate import decode_one_token, prefill
-from private import PrivateError, make_private_dir, open_private, write_atomic
+from private import PrivateError, dir_problem, make_private_dir, open_private, write_atomic
 from runs.taskdir import is_ints, manifest_check
 
 VERSION = 1
@@ -65,14 +66,34 @@ def list_sessions(root):
 
 def remove_session(path):
     """Remove a session directory: only the files a session holds (its manifest, lock, kv/ and
-    tier/ files; links go, never their targets). Anything else stays, and so does the directory."""
+    tier/ files; links go, never their targets). Anything else stays, and so does the directory:
+    returns the names left in it (none where the directory went)."""
     if not os.path.isdir(path) or os.path.islink(path) or not is_session(path):
         raise SessionError(f"--remove {path}: not a session directory (no {MANIFEST}); nothing "
                            "removed")
     lock = SessionLock(path)  # a session in use is not removed
+    remove_files(path, lock)
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def forget_start(path, lock, created):
+    """A new session whose start failed before its first save (a flag refused once the model was
+    read, a document too long): what the start made goes (the lock, kv/, tier/), and the directory
+    if this run made it, so that the same --session can be given again."""
+    if is_session(path):  # saved once: a session, kept
+        lock.close()
+        return
+    remove_files(path, lock, rmdir=created)
+
+
+def remove_files(path, lock, rmdir=True):
+    """The files of a session (manifest, lock, kv/ and tier/ and what they hold; links go, never
+    their targets), then the directory where rmdir and it is left empty; lock is released."""
     for sub in (KV_DIR, TIER_DIR):
         d = os.path.join(path, sub)
-        if os.path.isdir(d) and not os.path.islink(d):
+        if os.path.islink(d):
+            remove_file(d)
+        elif os.path.isdir(d):
             for name in os.listdir(d):
                 remove_file(os.path.join(d, name))
             try:
@@ -83,10 +104,29 @@ def remove_session(path):
         if name == MANIFEST or name == "lock" or name.startswith(f".{MANIFEST}.tmp-"):
             remove_file(os.path.join(path, name))
     lock.close()
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+    if rmdir:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def check_subdirs(path):
+    """A session's kv/ and tier/, where they exist, must be private directories: a link, a file or
+    a directory others can use is refused before any work (not when a turn is saved), in a
+    SessionError saying which and what to do."""
+    for sub, what in ((KV_DIR, "KV files"), (TIER_DIR, "disk tier")):
+        d = os.path.join(path, sub)
+        if not os.path.lexists(d):
+            continue
+        st = os.lstat(d)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise SessionError(f"--session {path}: {d}, the directory of its {what}, is {kind}; "
+                               "remove it (the session computes what it held again)")
+        if dir_problem(st):
+            raise SessionError(f"--session {path}: {d}, the directory of its {what}, "
+                               f"{dir_problem(st)}")
 
 
 def remove_file(path):
@@ -125,7 +165,9 @@ def read_manifest(path, max_bytes=MANIFEST_SLACK):
     try:
         fd = open_private(os.path.join(path, MANIFEST), os.O_RDONLY)
     except (OSError, PrivateError) as e:
-        return None, f"{MANIFEST} cannot be read ({getattr(e, 'strerror', None) or e})"
+        # what is wrong, without PrivateError's advice: the caller's sentence gives its own
+        why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+        return None, f"{MANIFEST} cannot be read ({why})"
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:

@@ -175,8 +175,9 @@ class TaskDir:
             holder = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip()
             holder = holder or "another task"
             os.close(self.lock_fd)
-            raise TaskDirError(f"{self.path} is in use by process {holder}; wait for it to finish "
-                               "or give this task another id") from None
+            raise TaskDirError(f"{self.path} is in use by process {holder}; wait for it to finish, "
+                               "or run this task in another --offload-dir (or, in a --prompts "
+                               "file, under another id)") from None
         os.ftruncate(self.lock_fd, 0)
         os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
 

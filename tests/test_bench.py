@@ -4,6 +4,7 @@ checkpoint that transformers also loads (same greedy ids), the probe's predictio
 probe.py as a command of its own), and bad flags answered with one line and exit code 2 before any
 heavy work. No timing is asserted: the machines these run on are noisy.
 """
+import argparse
 import json
 import os
 import subprocess
@@ -106,6 +107,8 @@ def test_probe_py_is_a_command():
     ["--random-model", "heads=3,kv_heads=2,dim=6,layers=1,hidden=8,vocab=8"],
     ["--ckpt", "/nonexistent/model"],
     ["--json", "/nonexistent/dir/out.json"],
+    ["--json", "/"],
+    ["--json", "/proc/out.json"],
     ["--window", "-1"],
     ["--no-such-flag"],
     ["--dtype", "fp64"],
@@ -175,3 +178,43 @@ def test_kv_store_reuse_counts_the_tokens_it_computes(tmp_path, capsys):
         assert row["computed_tokens"] == doc + 32 - reused, row
         assert row["warm_ttft_s"] > 0 and row["store_bytes_read"] > 0, row
     assert "| computed tokens |" in capsys.readouterr().out
+
+
+def test_json_at_a_link_is_refused_before_any_work_and_left_alone(tmp_path, capsys):
+    """--json names a file to write: a symbolic link there (/dev/stdout is one) is refused before
+    the model loads, never replaced by a file."""
+    target = tmp_path / "mine.txt"
+    target.write_text("kept")
+    link = tmp_path / "out.json"
+    link.symlink_to(target)
+    assert bench.main(["--device", "cpu", "--json", str(link)]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link" in err and os.path.islink(link) and target.read_text() == "kept", err
+
+
+def test_a_benchmark_leaves_none_of_its_tasks_behind(tmp_path):
+    """What an interrupted or failed run of this process left in --offload-dir goes at its end
+    (there is nothing to resume); another process's tasks stay."""
+    mine = tmp_path / f"task_bench_{os.getpid()}_0_2048_disk_zstd+ab12"
+    theirs = tmp_path / "task_bench_1_warmup_disk"
+    for d in (mine, theirs):
+        d.mkdir(mode=0o700)
+        (d / "layer0.kv").write_bytes(b"x")
+    bench.remove_own_tasks(argparse.Namespace(offload_dir=str(tmp_path)))
+    assert not mine.exists() and (theirs / "layer0.kv").exists()
+
+
+def test_random_model_files_are_private(tmp_path):
+    from measure.random_model import build_random_checkpoint
+    out = build_random_checkpoint(parse_model_spec(TINY), str(tmp_path / "m"), torch.float32)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert os.stat(out).st_mode & 0o777 == 0o700 and set(modes.values()) == {0o600}, modes
+
+
+def test_probe_refuses_a_disk_test_file_past_the_free_space(tmp_path, capsys):
+    from measure import probe
+    offload = tmp_path / "kv"
+    assert probe.main(["--device", "cpu", "--probe-mib", "100000000", "--offload-dir",
+                       str(offload)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--probe-mib" in err and err.count("\n") == 0 and not offload.exists(), err

@@ -394,3 +394,36 @@ def test_a_disk_that_fills_mid_answer_loses_only_that_turn(chat_ckpt, tmp_path, 
     got = turns(tmp_path / "b.jsonl")
     assert rc == 0 and (got[0]["tokens"], got[0]["logits_sha256"]) == (
         reference[1]["tokens"], reference[1]["logits_sha256"])
+
+
+def test_a_full_session_opens_and_a_failed_start_leaves_no_trace(chat_ckpt, tmp_path):
+    """A session whose answer reached the end of the context opens again (its next question is
+    refused, /reset makes room); a line that is not UTF-8 is refused and the session goes on; a kv/
+    that is a link is refused before any work; a start that fails leaves no directory, and a
+    directory holding only a failed start's lock can be started in."""
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    probe = tmp_path / "probe"
+    rc, _, _ = chat_in_process(session_argv(chat_ckpt, probe, None, "--document", doc), [])
+    cap = str(len(json.loads((probe / "session.json").read_text())["tokens"]) + 30)
+    s = tmp_path / "s"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, "--document", doc,
+                                              "--max-length", cap), ["What is a module?"])
+    assert rc == 0 and "reached the end of the context" in err, err
+    rc, out, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", cap),
+                                   ["And its name?", "/reset", "\udcff\udcfe bad", "/stats"])
+    assert rc == 0 and "this question needs" in err and "a new conversation" in err, err
+    assert "not UTF-8" in err and "Traceback" not in err, err
+    kv = s / "kv"
+    os.rename(kv, tmp_path / "kv-moved")
+    os.symlink(tmp_path / "kv-moved", kv)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, "--max-length", cap), [])
+    assert rc == 2 and "symbolic link" in err and len(err.strip().splitlines()) == 1, err
+    new = tmp_path / "new"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, new, None, "--document", doc,
+                                              "--trace", str(tmp_path)), [])
+    assert rc == 2 and "--trace" in err and not new.exists(), err
+    new.mkdir(mode=0o700)
+    (new / "lock").write_text("12345\n")
+    os.chmod(new / "lock", 0o600)
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, new, None, "--document", doc), [])
+    assert rc == 0 and (new / "session.json").is_file(), err

@@ -355,3 +355,58 @@ def test_a_selection_that_reads_everything_says_so_once(text_ckpt, tmp_path, cap
     rc, out, err = main_in_process(argv + ["--select", "quest", "--select-budget", 16], capsys)
     assert rc == 0 and "--select quest" not in err, err
     assert json.loads(out)["stats"]["bytes"]["select_skipped"] > 0
+
+
+# -----------------------------------------------------------------------------
+# round three of what a new user trips over: devices, bytes, pipes, parents, NaN
+
+@pytest.mark.parametrize("device", ["tpu", "cpu:1"])
+def test_device_must_be_cpu_or_cuda(text_ckpt, device):
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--device", device, ok=False)
+    assert_one_line_error(p, "--device", "cpu, cuda or cuda:N")
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(text_ckpt):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt,
+                        "--prompt", b"caf\xe9"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert_one_line_error(p, "--prompt", "not UTF-8")
+
+
+def test_offload_dir_parents_made_by_a_run_go_with_it(text_ckpt, tmp_path, capsys):
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--prompt", TEXT * 2, "--offload", "disk",
+                                  "--chunk-size", 8, "--window", 1, "--max-new-tokens", 2,
+                                  "--offload-dir", tmp_path / "deep" / "a" / "b"], capsys)
+    assert rc == 0 and not (tmp_path / "deep").exists(), (err, os.listdir(tmp_path))
+    rc, _, err = main_in_process(["--ckpt", text_ckpt, "--offload", "disk", "--offload-dir", ""],
+                                 capsys)
+    assert rc == 2 and "--offload-dir is empty" in err, err
+
+
+def test_a_closed_stdout_ends_the_run_quietly(text_ckpt, tmp_path):
+    """`generate.py ... | head`: the reader gone, the run stops with 141 (as SIGPIPE would end it),
+    one line and no traceback, and leaves no task to resume in ./kv_cache_offload."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt,
+                          "--prompt", TEXT * 2, "--offload", "disk", "--chunk-size", "8",
+                          "--window", "1", "--max-new-tokens", "40", "--threads", "1"],
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the first token: its write fails
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141, err
+    assert "broken pipe" in err and "Traceback" not in err, err
+    assert not (tmp_path / "kv_cache_offload").exists()
+
+
+def test_nan_logits_compare_by_their_bits():
+    """verify.py compares the bits: a model that overflows (NaN logits) is identical to itself,
+    and one NaN against another value still differs."""
+    import verify
+    nan = torch.tensor([1.0, float("nan"), 3.0])
+    run = ([5], [(0, "prefill", nan.clone()), (1, "decode", nan.clone())], {})
+    assert verify.compare(run, ([5], [(0, "prefill", nan.clone()), (1, "decode", nan.clone())],
+                                {})) is None
+    other = nan.clone()
+    other[1] = 2.0
+    diff = verify.compare(run, ([5], [(0, "prefill", nan.clone()), (1, "decode", other)], {}))
+    assert diff is not None and diff[:3] == (1, 1, "decode")
+    assert not verify.same_bits(torch.zeros(2), -torch.zeros(2))  # -0.0 is other bits

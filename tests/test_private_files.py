@@ -122,8 +122,19 @@ def test_offload_dir_that_is_a_link_is_refused(text_ckpt, tmp_path, capsys, slas
     assert os.listdir(target) == []
 
 
-def test_missing_parents_are_made_private(text_ckpt, tmp_path, capsys, clean_tokens):
+def test_missing_parents_are_made_private(text_ckpt, tmp_path, capsys, clean_tokens,
+                                          monkeypatch):
+    """The parents a run makes for --offload-dir are private while it runs, and go with the
+    directory when the run leaves them empty."""
     off = tmp_path / "a" / "b" / "off"
+    modes = {}
+
+    def spy(args):  # at the run's end, before the directories it made are removed
+        modes.update({d: stat.S_IMODE(os.stat(d).st_mode) for d in (tmp_path / "a",
+                                                                     tmp_path / "a" / "b")})
+        real(args)
+    real = generate_cli.remove_created_offload_dir
+    monkeypatch.setattr(generate_cli, "remove_created_offload_dir", spy)
     old = os.umask(0)
     try:
         rc, out, err = generate(text_ckpt, off, capsys)
@@ -131,8 +142,7 @@ def test_missing_parents_are_made_private(text_ckpt, tmp_path, capsys, clean_tok
         os.umask(old)
     assert rc == 0, err
     assert tokens(out) == clean_tokens
-    for d in (tmp_path / "a", tmp_path / "a" / "b"):
-        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert set(modes.values()) == {0o700} and not (tmp_path / "a").exists(), modes
 
 
 # -----------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_a_filled_cache_is_the_same_in_every_call(tmp_path):
     (["--chunk-size", "-1"], "--chunk-size -1: give at least 1"),
     (["--threads", "0"], "--threads 0: give at least 1"),
     (["--random-model", "bogus"], "--random-model: cannot read 'bogus'"),
-    (["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+    (["--ckpt", "/nonexistent"], "--ckpt /nonexistent: not a directory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(flags, says, capsys):
     with pytest.raises(SystemExit) as e:

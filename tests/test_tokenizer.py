@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import TextStream, Tokenizer, load_tokenizer
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly packing "
          "boxes").split()
@@ -101,3 +101,19 @@ def test_tokenizer_json_encode_decode(tmp_path, bos):
 
 def test_no_tokenizer_means_none(llama_ckpt):
     assert load_tokenizer(llama_ckpt) is None
+
+
+def test_text_stream_holds_a_character_split_over_tokens():
+    """Bytes as tokens (byte fallback, byte-level BPE): 'ъ' is two tokens. What is shown while the
+    ids grow, joined, is the decode of them all; a character cut off at the end is shown as the
+    decoder gives it."""
+    def decode(ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("cъd€".encode())
+    stream = TextStream(decode)
+    shown = "".join(stream.update(ids[:n]) for n in range(1, len(ids) + 1))
+    assert shown == "cъd€" and "\ufffd" not in shown
+    stream = TextStream(decode)
+    parts = [stream.update(ids[:2]), stream.update(ids[:2], final=True)]
+    assert parts == ["c", "\ufffd"]

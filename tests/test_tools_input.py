@@ -13,7 +13,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("decode_steps.py", [], "usage: python tools/decode_steps.py TREE"),
     ("decode_steps.py", [ROOT, "fp64", "1024", "2"], "usage: python tools/decode_steps.py TREE"),
     ("attend_groups.py", ["two", "2048"], "usage: python tools/attend_groups.py THREADS"),
+    ("decode_steps.py", [ROOT, "fp32", "abc", "2"], "usage: python tools/decode_steps.py TREE"),
     ("speculation.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+    ("speculation.py", ["--ks", "lookup:x"], "--ks takes K or lookup:K"),
+    ("speculation.py", ["--dtypes", "fp64"], "--dtypes 'fp64'"),
+    ("speculation.py", ["--tasks", "bogus"], "--tasks 'bogus'"),
+    ("speculation.py", ["--contexts", "99999"], "past the model's 32768 positions"),
+    ("profile_decode.py", ["--ckpt", os.path.join(ROOT, "README.md")], "not a directory"),
     ("prefill_granule.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tool, args, says):

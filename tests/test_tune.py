@@ -146,6 +146,31 @@ def test_tune_refuses_what_it_picks(capsys):
     assert err.count("\n") == 0 and "--chunk-sizes" in err, err
 
 
+def test_tune_says_when_nothing_fits_the_budgets(capsys):
+    assert tune.main(["--context", "256", "--device-budget", "1e-9", "--repeats", "1",
+                      "--new-tokens", "4", "--threads", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no configuration fits the budgets" in err[-1] and "--device-budget" in err[-1], err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--context", "0"], "--context"),
+    (["--target-tok-s", "nan"], "--target-tok-s"),
+    (["--context", "99999999"], "past the model's maximum context"),
+])
+def test_doctor_refuses_what_it_cannot_check(capsys, llama_ckpt, argv, says):
+    assert doctor.main(["--ckpt", llama_ckpt, "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and says in err, err
+
+
+def test_diagnose_a_context_of_one_chunk_is_fixed_by_a_smaller_chunk(capsys, llama_ckpt):
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk", "--chunk-size", 512,
+                              "--window", 0, "--context", 256)
+    line = next(line for line in found if line.startswith("FOUND  offload not in effect"))
+    assert rc == 1 and "fix: --chunk-size 128" in line and "--window" not in line.split("fix:")[1]
+
+
 # -----------------------------------------------------------------------------
 # verify.py --diagnose: one seeded fault per test, found and named on one line
 

@@ -99,8 +99,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", help="a checkpoint directory (else --random-model)")
-    p.add_argument("--random-model", default="smollm2-135m",
-                   help=f"a random model of a known shape: {', '.join(PRESETS)}")
+    p.add_argument("--random-model",
+                   help=f"a random model of a known shape: {', '.join(PRESETS)} (default, without "
+                   "--ckpt: smollm2-135m)")
     p.add_argument("--context", type=int, default=2048, help="prompt tokens before the steps")
     p.add_argument("--steps", type=int, default=24, help="decode steps timed (after 4 warm-up)")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
@@ -126,13 +127,17 @@ def main(argv=None):
             p.error(f"{flag} {value}: give at least {least}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads {args.threads}: give at least 1")
+    if args.ckpt and args.random_model:
+        p.error("--ckpt and --random-model: give one of them")
+    if args.ckpt and not os.path.isdir(args.ckpt):
+        p.error(f"--ckpt {args.ckpt}: not a directory; give a checkpoint's directory")
     watch = CoreWatch()
     dtype = DTYPES[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt
         if ckpt is None:
             try:
-                spec = parse_model_spec(args.random_model)
+                spec = parse_model_spec(args.random_model or "smollm2-135m")
             except ValueError as e:
                 p.error(str(e))
             ckpt = os.path.join(tmp, "model")

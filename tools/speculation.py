@@ -40,7 +40,7 @@ from kvcache import make_cache  # noqa: E402
 from model import Transformer  # noqa: E402
 from offload import OffloadConfig  # noqa: E402
 from runs.cores import CoreWatch  # noqa: E402
-from runs.flags import set_threads  # noqa: E402
+from runs.flags import read_model_args, set_threads  # noqa: E402
 from runs.kvstore import KVStore  # noqa: E402
 from runs.task import run_task  # noqa: E402
 from runs.taskdir import model_fingerprint, run_fingerprint  # noqa: E402
@@ -136,7 +136,8 @@ def main():
     p.add_argument("--contexts", default="2048,8192")
     p.add_argument("--offloads", default="none,disk")
     p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--ks", default=str(speculate.LOOKUP_K), help="lookup:K settings to run")
+    p.add_argument("--ks", default=str(speculate.LOOKUP_K),
+                   help="the K of each lookup:K setting to run, comma-separated (4 or lookup:4)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--window", type=int, default=1)
@@ -147,8 +148,8 @@ def main():
     args = p.parse_args()
     args.device = "cpu"
     watch = CoreWatch()
+    ks = check(p, args)
     tok = load_tokenizer(args.ckpt)
-    ks = [int(k) for k in args.ks.split(",")]
     print("| task | context | offload | dtype | run | decode tok/s | x plain | tokens/step | "
           "KV bytes/token | guesser s | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -177,6 +178,36 @@ def main():
                             for k in runs:  # interleaved: plain, then each K, then again
                                 runs[k].append(one_run(model, task, ids, args, mode, k, tmp, store))
                         report(task, len(ids), mode, dtype, runs, chunk_bytes(model, args))
+
+
+def check(p, args):
+    """Every flag before any work, each wrong one refused in one line (p.error: exit 2). Returns
+    the lookup:K settings, as numbers."""
+    def listed(flag, value, allowed):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if not items or any(v not in allowed for v in items):
+            p.error(f"{flag} {value!r}: a comma list of {sorted(allowed)}")
+
+    listed("--tasks", args.tasks, {"quote", "code", "free"})
+    listed("--offloads", args.offloads, {"none", "cpu", "disk"})
+    listed("--dtypes", args.dtypes, set(DTYPES))
+    try:
+        ks = [int(k.strip().removeprefix("lookup:")) for k in args.ks.split(",")]
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        p.error("--ks takes K or lookup:K and --contexts token counts, comma-separated")
+    if min(ks) < 1 or min(contexts) < 64 or args.max_new_tokens < 2 or args.repeats < 1:
+        p.error("--ks must be >= 1, --contexts >= 64, --max-new-tokens >= 2 and --repeats >= 1")
+    if args.chunk_size < 1 or args.window < 0 or (args.threads is not None and args.threads < 1):
+        p.error("--chunk-size and --threads must be >= 1, --window >= 0")
+    try:
+        limit = read_model_args(args.ckpt).max_context
+    except CheckpointError as e:
+        p.error(str(e))
+    if max(contexts) + args.max_new_tokens > limit:
+        p.error(f"--contexts {max(contexts)} plus --max-new-tokens {args.max_new_tokens} are past "
+                f"the model's {limit} positions")
+    return ks
 
 
 def report(task, n_prompt, mode, dtype, runs, chunk_bytes):
