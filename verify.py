@@ -1,4 +1,4 @@
-"""
+r"""
 The proof that offload changes where the bytes of the KV cache live, not the math.
 
     python verify.py --ckpt DIR --max-new-tokens 32 --chunk-size 64 --window 2 \

@@ -1,4 +1,4 @@
-"""
+r"""
 Measure it: prefill and decode speed, memory and bytes moved for every offload mode, against
 transformers on the same checkpoint, beside a prediction made from this machine's own measured costs
 (probe.py).

@@ -1,4 +1,4 @@
-"""
+r"""
 The troubleshooting chains of KV offload, checked on this machine for one configuration.
 
     python doctor.py --ckpt DIR --chunk-size 512 --window 4 --offload disk --offload-dir /nvme/kv \

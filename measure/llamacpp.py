@@ -1,4 +1,4 @@
-"""
+r"""
 bench.py --vs-llamacpp: ours beside llama.cpp's llama-bench, the CPU user's usual peer, on the same
 checkpoint, prompt lengths (--contexts), threads and decode steps, side by side in one table.
 

@@ -399,6 +399,7 @@ class Chat:
             self.segments.append([P, len(tokens), "prefill"])
         self.tokens, self.pending, self.rendered = tokens, [], text
         self.turns -= k
+        self.last = {}  # the last turn's figures were of a turn that may be gone
         self.catch_up()
         self.save()
         return None

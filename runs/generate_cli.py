@@ -169,10 +169,11 @@ def build_parser():
     b.add_argument("--keep-cache", action="store_true",
                    help="keep a task's directory after it succeeds")
     b.add_argument("--fallback-cpu-budget", type=float,
-                   help="if the disk tier fails (full, read-only, ...), rerun the task on a host "
-                   "tier of this many GiB (output is identical); normal placement is unchanged")
+                   help="with --prompts: if the disk tier fails (full, read-only, ...), rerun the "
+                   "task on a host tier of this many GiB (output is identical); normal placement "
+                   "is unchanged")
     b.add_argument("--fallback-context", type=int,
-                   help="if the disk tier fails, continue on the last N tokens")
+                   help="with --prompts: if the disk tier fails, continue on the last N tokens")
     b.add_argument("--trace",
                    help="TRACE.jsonl: one event per step (memory, bytes per tier, chunks) and "
                    "alerts; appended to, each run starting with a {\"run_start\"} event")
@@ -212,6 +213,9 @@ def resolve(args):
          "--batch-size goes with --prompts TASKS.jsonl (a single --prompt is one task)"),
         (args.fallback_context is None or args.fallback_context > 0,
          "--fallback-context must be >= 1"),
+        (args.prompts or (args.fallback_context is None and args.fallback_cpu_budget is None),
+         "--fallback-cpu-budget and --fallback-context go with --prompts TASKS.jsonl; for a "
+         "single prompt choose its tier (--offload cpu --cpu-budget GIB)"),
         (args.fallback_cpu_budget is None
          or (math.isfinite(args.fallback_cpu_budget) and args.fallback_cpu_budget > 0),
          "--fallback-cpu-budget must be a number > 0 GiB"),
@@ -230,6 +234,8 @@ def resolve(args):
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None
     else:
         text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    if text == "":  # whether a tokenizer would add a BOS to nothing: no prompt either way
+        raise UsageError("the prompt is empty; give --prompt or --prompt-file with some text")
     for flag, value in (("--prompt", args.prompt), ("--system", args.system)):
         try:
             value is None or value.encode("utf-8")

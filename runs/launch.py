@@ -37,7 +37,8 @@ def check(tp):
     (no process group, no file)."""
     if not under_torchrun():
         if tp is not None:
-            raise LaunchError(f"--tp {tp} needs torchrun: torchrun --nproc-per-node N generate.py "
+            script = os.path.basename(sys.argv[0]) or "generate.py"  # verify.py's, or ours
+            raise LaunchError(f"--tp {tp} needs torchrun: torchrun --nproc-per-node N {script} "
                               f"--tp {tp} ...; without torchrun drop --tp")
         return
     world = int(os.environ["WORLD_SIZE"])

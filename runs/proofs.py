@@ -248,7 +248,7 @@ def run(args):
         layout = launch.start(args.tp, args.device)  # under torchrun: each rank verifies its share
         args.device = str(layout.device)
         args.ckpt = args.ckpt or DEMO_CKPT
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
         bad = [m for m in modes if m not in OFFLOAD_MODES]
         if bad or not modes:
             raise UsageError(f"--modes: {bad or args.modes!r} not among {OFFLOAD_MODES}")
