@@ -417,9 +417,9 @@ class Draft:
 
 def parse_lookup(spec):
     """'lookup' or 'lookup:K' -> K, or None when the spec is not one."""
-    kind, _, k = spec.partition(":")
+    kind, colon, k = spec.partition(":")
     if kind != "lookup":
         return None
-    if not k:
+    if not colon:
         return LOOKUP_K
     return int(k) if k.isdigit() else -1

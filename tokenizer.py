@@ -84,7 +84,12 @@ class Tokenizer:
         """A task's prompt ids: its chat "messages" through the template, its "prompt" through the
         template with chat (and a system message), or its plain "prompt" text."""
         if "messages" in task:
-            return self.apply_chat_template(task["messages"])
+            try:
+                return self.apply_chat_template(task["messages"])
+            except CheckpointError as e:  # no --chat was given: a task's messages asked for it
+                raise CheckpointError(str(e).replace(
+                    "drop --chat or add", "give the task a \"prompt\" instead of \"messages\", "
+                    "or add")) from None
         if chat:
             return self.apply_chat_template(chat_messages(task["prompt"], system))
         return self.encode(task["prompt"])

@@ -69,11 +69,13 @@ def not_a_number(value):
 
 
 def read_tasks(path):
-    """(tasks, errors): each task a dict with at least id and prompt;
-    each error one line naming the input line. A bad line (not UTF-8, not JSON, nested too
-    deeply, a field of the wrong type or range) is skipped, and the batch goes on."""
+    """(tasks, errors, notes): each task a dict with at least id and prompt; each error one line
+    naming the input line. A bad line (not UTF-8, not JSON, nested too deeply, a field of the wrong
+    type or range, an empty prompt) is skipped, and the batch goes on. A field that is not a task's
+    (a typo of one, or the user's own) is said in a note, and the task runs without it."""
     tasks = []
     errors = []
+    notes = []
     seen = set()
     try:
         f = open(path, "rb")
@@ -93,7 +95,11 @@ def read_tasks(path):
             else:
                 seen.add(str(task["id"]))
                 tasks.append({**task, "id": str(task["id"])})
-    return tasks, errors
+                other = sorted(set(task) - set(TASK_FIELDS) - {"messages"})
+                if other:
+                    notes.append(f"{path} line {n}: {', '.join(map(repr, other))} not a task's "
+                                 f"field ({', '.join([*TASK_FIELDS, 'messages'])}); not used")
+    return tasks, errors, notes
 
 
 def holds_lines(path):
@@ -137,6 +143,8 @@ def task_problem(task):
         return "field 'id' is missing"
     if ("prompt" in task) == ("messages" in task):
         return "give one of 'prompt' (text) or 'messages' (a chat)"
+    if task.get("prompt") == "":
+        return "field 'prompt' is empty; give some text"
     if "messages" in task and messages_problem(task["messages"]):
         return messages_problem(task["messages"])
     for key, types in TASK_FIELDS.items():
@@ -201,11 +209,17 @@ class Results:
                 os.ftruncate(self.fd, keep)
                 log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
                 data = data[:keep]
+        ignored = 0
         for line in data.splitlines():
             try:
-                self.done.add(str(json.loads(line)["id"]))
+                r = json.loads(line)
+                if "tokens" not in r:  # a task's line (a --prompts file), not its result
+                    raise KeyError("tokens")
+                self.done.add(str(r["id"]))
             except (ValueError, KeyError, TypeError):
-                log(f"{path}: a line that is not a result was ignored")
+                ignored += 1
+        if ignored:
+            log(f"{path}: {ignored} lines that are not results were ignored")
 
     @contextmanager
     def locked(self):
@@ -241,11 +255,11 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
     if layout.tp > 1 and args.batch_size > 1:
         raise ValueError("--batch-size above 1 is not combined with --tp above 1 (the ranks of a "
                          "replica step together); run more replicas instead: a smaller --tp")
-    tasks, errors = read_tasks(args.prompts)
+    tasks, errors, notes = read_tasks(args.prompts)
     # every replica reads the whole file: the first one alone reports (and counts) its bad lines
     if layout.replica:
-        errors = []
-    for e in errors:
+        errors = notes = []
+    for e in errors + notes:
         log(e)
     results = Results(args.output, log)
     todo = [t for t in tasks if t["id"] not in results.done]

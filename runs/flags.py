@@ -189,6 +189,7 @@ def check_common(args, needs_disk):
          "cuda:N"),
         (not args.device.startswith("cuda") or torch.cuda.is_available(),
          f"--device {args.device}: CUDA is not available here; use --device cpu"),
+        (args.kv_store != "", "--kv-store is empty; give a directory"),
         (args.kv_store_budget is None
          or (args.kv_store and math.isfinite(args.kv_store_budget) and args.kv_store_budget > 0),
          "--kv-store-budget goes with --kv-store DIR and must be a number > 0 GiB"),

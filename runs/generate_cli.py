@@ -207,6 +207,9 @@ def resolve(args):
          "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts,
          "--output is for batch mode; add --prompts TASKS.jsonl"),
+        (not (args.prompts and args.output and os.path.exists(args.output)
+              and os.path.exists(args.prompts) and os.path.samefile(args.prompts, args.output)),
+         f"--output {args.output} is the --prompts file; give the results a file of their own"),
         (args.batch_size is None or args.batch_size >= 1,
          f"--batch-size must be >= 1, got {args.batch_size}"),
         (args.batch_size is None or args.prompts,
@@ -332,6 +335,12 @@ def stop_once(signum, frame):
     raise KeyboardInterrupt
 
 
+def vouched_for(task_dir):
+    """Whether a kept task directory holds a manifest (under --tp, one in each rank<r>/)."""
+    ranks = [e for e in os.listdir(task_dir) if e.startswith("rank")]
+    return all(os.path.isfile(os.path.join(task_dir, r, "manifest.json")) for r in ranks or [""])
+
+
 def print_interrupted(args):
     """The one line a Ctrl-C ends a run with: what it kept, where, and how to go on or remove it.
     Said by the first process only (under torchrun every rank gets the signal)."""
@@ -343,7 +352,7 @@ def print_interrupted(args):
     # the disk blocks they hold (the tier's files are reserved up front, then filled)
     size = sum(os.lstat(os.path.join(top, f)).st_blocks * 512
                for d in kept for top, _, files in os.walk(d) for f in files)
-    vouched = all(os.path.isfile(os.path.join(d, "manifest.json")) for d in kept)
+    vouched = all(vouched_for(d) for d in kept)
     if args.prompts:
         done = 0
         if args.output and os.path.isfile(args.output):

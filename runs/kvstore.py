@@ -118,6 +118,18 @@ def flat_bytes(buf):
 # -----------------------------------------------------------------------------
 # the store
 
+
+# mark_used: a chunk's use is recorded this much earlier for each chunk before it in its prompt
+DEPTH_S = 1e-3
+
+
+def touch(target, depth=0, now=None):
+    """Record a use of an entry (a path or a descriptor) at `now` (default: now), less depth x
+    DEPTH_S. Always this process's clock, never the file system's "now": on a file system a host
+    serves, the two can be tens of milliseconds apart, which would reorder uses."""
+    t = (time.time() if now is None else now) - depth * DEPTH_S
+    os.utime(target, (t, t))
+
 class KVStore:
     """A directory of entries, shared by any number of processes; safe to use from several threads.
     budget_gib: evict least recently used entries after a write to stay under it (None = no limit).
@@ -176,7 +188,7 @@ class KVStore:
         try:
             n = self._read_entry(fd, key, flats, buffers[0].itemsize)
             try:
-                os.utime(fd)  # last use = now: eviction is least recently used first
+                touch(fd)  # last use = now: eviction is least recently used first
             except OSError:
                 pass  # a read-only store still serves reads; it just cannot record their order
         except Rejected as e:
@@ -282,11 +294,13 @@ class KVStore:
 
     # ---- write ----------------------------------------------------------------------------
 
-    def write(self, key, chunks):
+    def write(self, key, chunks, before=()):
         """Store one prompt chunk under key: chunks holds one contiguous host tensor or numpy array
         per layer, each a chunk [2, B, G, C, D]. Atomic (temporary file, fsync, rename). Returns the
         bytes written, 0 when the key is already there and whole (same key, same bytes; a bad entry
-        is replaced) or the disk refuses (full, read-only: the run goes on without it)."""
+        is replaced) or the disk refuses (full, read-only: the run goes on without it). before: the
+        keys of the chunks before this one in its prompt, marked used (mark_used) before a budget
+        evicts, so that the prompt's tail goes first."""
         path = self.path(key)
         flats = [flat_bytes(c) for c in chunks]
         itemsize = chunks[0].itemsize
@@ -296,6 +310,9 @@ class KVStore:
         # an entry already there is kept only if it is whole: a bad one is replaced
         if os.path.lexists(path) and self._entry_ok(path, key, flats, itemsize):
             return 0
+        now = time.time()  # the prompt's chunks before this one, then this one, used at once
+        if self.budget is not None:
+            self.mark_used(before, now)
         code = COMPRESSIONS.index(self.compress)
         if code == 1:
             import zstandard  # a compressor per call: one object is not thread-safe
@@ -319,6 +336,7 @@ class KVStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            touch(tmp, len(before), now)  # the prompt's latest chunk: its least recently used
             os.replace(tmp, path)  # atomic; a concurrent writer of this key wrote the same bytes
             fsync_dir(self.root)
         except OSError as e:
@@ -333,6 +351,19 @@ class KVStore:
         if self.budget is not None:
             self.evict_to_budget()
         return n
+
+    def mark_used(self, keys, now=None):
+        """The entries of one prompt's chunks, in order, used now: an earlier chunk a little later
+        than the ones after it (touch), since a chunk is of use only after every one before it.
+        So a budget evicts a prompt's tail first and keeps a head that lookup() reaches (chunks are
+        written and read at a prefill step's pace, so their own times would put the head first).
+        Entries gone meanwhile, or a read-only store, are passed over."""
+        now = time.time() if now is None else now
+        for depth, key in enumerate(keys):
+            try:
+                touch(self.path(key), depth, now)
+            except OSError:
+                pass
 
     # ---- maintenance ----------------------------------------------------------------------
 

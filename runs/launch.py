@@ -35,6 +35,8 @@ def under_torchrun():
 def check(tp):
     """Refuse a --tp that cannot work, from the environment torchrun sets, before anything starts
     (no process group, no file)."""
+    if tp is not None and tp < 1:
+        raise LaunchError(f"--tp must be >= 1 (ranks a model is split over), got {tp}")
     if not under_torchrun():
         if tp is not None:
             script = os.path.basename(sys.argv[0]) or "generate.py"  # verify.py's, or ours

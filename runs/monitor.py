@@ -26,6 +26,7 @@ from policy import plan_tiers
 from private import PrivateError, open_private
 
 STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
+SLOW_FLOOR_S = 1.0  # the slow-task alert: how late a task must be at least, besides 2x
 
 
 def host_memory():
@@ -239,7 +240,9 @@ class Monitor:
             began, prompt_tokens = self.started.get(task, (time.perf_counter(), 0))
             expected = self.expected_s(prompt_tokens, cache.length)
         elapsed = time.perf_counter() - began
-        if expected and elapsed > 2 * expected:  # per unit of work: a longer task is not a slow one
+        # per unit of work (a longer task is not a slow one), and a second late at least (a task of
+        # milliseconds is late by noise alone)
+        if expected and elapsed > max(2 * expected, expected + SLOW_FLOOR_S):
             self.alert("slow_task", f"task {task} has run {elapsed:.1f}s to position "
                        f"{cache.length}, over 2x the {expected:.1f}s that the mean rates of "
                        "finished tasks give for that much work", task)
@@ -279,7 +282,8 @@ class Monitor:
             if error is not None:
                 t["failed"].append((task, error))
                 return
-            for key, stat in (("prefill_s", "prefill_s"), ("prompt_tokens", "prompt_tokens"),
+            # the prompt tokens this run computed (a resumed or reused prefix took no time here)
+            for key, stat in (("prefill_s", "prefill_s"), ("prompt_tokens", "prefill_tokens"),
                               ("decode_s", "decode_s"), ("decoded", "decoded_tokens")):
                 self.rates[key] += stats.get(stat, 0)
             t["done"] += 1

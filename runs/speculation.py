@@ -60,20 +60,25 @@ def check(args, model_args, batch=False):
 def check_draft(draft, ckpt, model_args):
     """A draft must share the model's vocabulary: the same size and the same tokenizer files."""
     if not os.path.isdir(draft):
-        raise UsageError(f"--draft {draft}: no such directory")
+        what = "is not a directory" if os.path.exists(draft) else "no such directory"
+        raise UsageError(f"--draft {draft}: {what}; give the draft checkpoint's directory")
     try:
         draft_args = read_model_args(draft)
     except CheckpointError as e:
         raise UsageError(f"--draft {draft}: {e}") from None
-    same = draft_args.vocab_size == model_args.vocab_size
+    if draft_args.vocab_size != model_args.vocab_size:
+        raise UsageError(f"--draft {draft}: its vocabulary has {draft_args.vocab_size} tokens, the "
+                         f"model's {model_args.vocab_size}; a draft must share the model's "
+                         "tokenizer")
     for name in ("tokenizer.model", "tokenizer.json"):
         a, b = os.path.join(draft, name), os.path.join(ckpt, name)
-        if os.path.exists(a) or os.path.exists(b):
-            same &= os.path.exists(a) and os.path.exists(b) and filecmp.cmp(a, b, shallow=False)
-    if not same:
-        raise UsageError(f"--draft {draft}: its vocabulary ({draft_args.vocab_size} tokens and "
-                         "its tokenizer files) is not the model's; a draft must share the "
-                         "model's tokenizer")
+        if os.path.exists(a) != os.path.exists(b):
+            missing = draft if os.path.exists(b) else ckpt
+            raise UsageError(f"--draft {draft}: {name} is in one checkpoint and not in the other "
+                             f"({missing} lacks it); copy the model's tokenizer files to the draft")
+        if os.path.exists(a) and not filecmp.cmp(a, b, shallow=False):
+            raise UsageError(f"--draft {draft}: its {name} is not the model's; a draft must share "
+                             "the model's tokenizer")
 
 
 def load_draft(args, device, dtype):

@@ -355,6 +355,8 @@ class PromptCache:
             cache.commit()
             s.seal(j)  # data: as after a prefill step, the window policy places it
         self.adopted = cache.n_sealed
+        if self.kv.budget is not None:  # read in order: the head marked the more recent
+            self.kv.mark_used(self.keys[:self.adopted])
         if not self.share:
             return
         for key in self.keys[self.adopted:]:
@@ -395,13 +397,13 @@ class PromptCache:
             self.kv.renew(self.keys[j + 1])  # the next chunk is under way: its claim stays fresh
         if self.pending is not None:
             self.stored.append(self.pending.result())
-        self.pending = self.writer.submit(self.write, self.keys[j], host)
+        self.pending = self.writer.submit(self.write, self.keys[j], host, self.keys[:j])
 
-    def write(self, key, host):
-        """Writer thread: store one chunk, then release its claim (a waiter adopts the entry, or
-        computes the chunk itself if the write failed)."""
+    def write(self, key, host, before):
+        """Writer thread: store one chunk (before: the keys of the chunks before it), then release
+        its claim (a waiter adopts the entry, or computes the chunk itself if the write failed)."""
         try:
-            return self.kv.write(key, host)
+            return self.kv.write(key, host, before)
         finally:
             self.release(key)
 

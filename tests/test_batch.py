@@ -598,9 +598,9 @@ class StubCache:
 
 
 BIG_RAM = 1 << 60
-FINISHED = {"resumed_from": 0, "prefill_s": 0.01, "prompt_tokens": 40, "decode_s": 0.01,
-            "decoded_tokens": 10, "peak_device_bytes": 0, "peak_host_rss_bytes": 0,
-            "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0}}
+FINISHED = {"resumed_from": 0, "prefill_s": 0.01, "prompt_tokens": 40, "prefill_tokens": 40,
+            "decode_s": 0.01, "decoded_tokens": 10, "peak_device_bytes": 0,
+            "peak_host_rss_bytes": 0, "bytes": {"h2d": 0, "d2h": 0, "disk_write": 0}}
 
 
 def trace_alerts(path):

@@ -454,3 +454,23 @@ def test_generate_and_batch_reuse_through_the_command_line(text_ckpt, tmp_path, 
     stats = [json.loads(line)["stats"] for line in out.read_text().splitlines()]
     # the document was computed once, long ago
     assert all(s["reused_tokens"] >= 16 * 3 for s in stats), stats
+
+
+def test_a_budget_smaller_than_a_prompt_keeps_its_head(tmp_path):
+    """A chunk is of use only after every one before it: writing a prompt's chunks under a budget
+    smaller than the prompt (each written well after the one before, as prefill steps go) keeps
+    the head that lookup() reaches, never a tail it cannot; so does reading the head back."""
+    probe = KVStore(tmp_path / "probe")
+    size = probe.write(keys(1)[0], chunks())
+    store = KVStore(tmp_path / "s", budget_gib=3.5 * size / 2**30)
+    k = keys(6)
+    for j in range(6):
+        store.write(k[j], chunks(seed=j), before=k[:j])
+        time.sleep(0.01)  # a prefill step apart
+    assert store.lookup(k) == 3 and sorted(e[0] for e in store.entries()) == sorted(k[:3])
+    for j in range(3):  # a later task adopts the head, in order, then computes and stores the rest
+        assert store.read(k[j], chunks())
+        time.sleep(0.01)
+    store.mark_used(k[:3])
+    store.write(k[3], chunks(seed=3), before=k[:3])
+    assert store.lookup(k) == 3 and store.size() <= store.budget

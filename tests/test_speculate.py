@@ -284,8 +284,10 @@ def test_resume_after_a_crash_mid_generation(models, tmp_path):
     (["--draft-tokens", "3"], "--draft-tokens goes with --draft"),
     (["--speculate", "lookup", "--select", "quest", "--select-budget", "512"], "drop --select"),
     (["--draft", "DRAFT", "--draft-tokens", "0"], "--draft-tokens must be from 1"),
-    (["--draft", "OTHER_VOCAB"], "is not the model's; a draft must share"),
+    (["--draft", "OTHER_VOCAB"], "tokens, the model's 400; a draft must share"),
     (["--draft", "/nonexistent"], "no such directory"),
+    (["--draft", os.path.join(os.path.dirname(__file__), "ckpt.py")], "is not a directory"),
+    (["--speculate", "lookup:"], "--speculate must be lookup or lookup:K"),
 ])
 def test_refusals_are_one_sentence(text_ckpt, checkpoint, capsys, argv, says):
     other = checkpoint(vocab_size=96)
