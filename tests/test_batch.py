@@ -811,3 +811,21 @@ def test_an_unusable_offload_dir_is_refused_at_the_start_fallback_or_not(text_ck
     said = ("(the fallbacks take over a disk tier that fails once a task is running, not one "
             "unusable from the start: for that, --offload cpu)")
     assert "--offload-dir" in lines[0] and said in lines[0], lines
+
+
+def test_task_lines_that_are_empty_or_unknown_and_an_output_that_is_the_tasks(text_ckpt, tmp_path,
+                                                                             capsys):
+    """An empty prompt is a bad line (skipped, said, exit 1); a field no task has is said and the
+    task runs; --output naming the --prompts file is refused before any work, and a file of task
+    lines given as --output marks nothing done."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "e", "prompt": ""},
+                                                   {**SHORT, "max_tokens": 9}])
+    output = tmp_path / "results.jsonl"
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off"), capsys)
+    assert rc == 1 and "field 'prompt' is empty" in err and "'max_tokens' not a task's field" in err
+    assert [r["id"] for _, r in results(output)] == ["short"]
+    rc, err = run_main(batch_args(text_ckpt, tasks, tasks, tmp_path / "off"), capsys)
+    assert rc == 2 and "is the --prompts file" in err and len(err.strip().splitlines()) == 1, err
+    copy = write_tasks(tmp_path / "copy.jsonl", [SHORT])
+    rc, err = run_main(batch_args(text_ckpt, tasks, copy, tmp_path / "off"), capsys)
+    assert "1 lines that are not results were ignored" in err and "already in" not in err, err
