@@ -109,11 +109,16 @@ class Sparse(Exact):
         if q is None and self.needs_queries:
             return None
         candidates = [j for j in range(first, n_sealed) if j not in keep]
-        picked = self.pick(layer, candidates, self.budget_chunks - 1, q)
+        k = self.budget_chunks - 1
+        picked = set(self.pick(layer, candidates, k, q))
+        if len(picked) > k or not picked <= set(candidates):  # a new policy's mistake, said here
+            raise ValueError(f"{type(self).__name__}.pick returned {sorted(picked)}: give at most "
+                             f"{k} of the candidates {candidates}")
         return sorted(keep | picked)
 
     def pick(self, layer, candidates, k, q):
-        """At most k of the candidate chunks to read besides the sink and the window."""
+        """At most k of the candidate chunks (a list of chunk indices) to read besides the sink and
+        the window: any iterable of them (a set, a list)."""
         return set()
 
 

@@ -142,12 +142,15 @@ def context_refusal(n_positions, model_args):
     """The one sentence that refuses a run needing n_positions past model_args.max_context, and
     names the way out."""
     limit = model_args.max_context
-    factor = -(-n_positions // limit)  # the smallest whole factor that reaches n_positions
+    # the length the model was trained on: a scaling in force (config.json's, or --rope-scaling's)
+    # stretches it; the example stretches the same length further, never the stretched one
+    orig = (model_args.rope_scaling or {}).get("original_max_position_embeddings") or limit
+    factor = -(-n_positions // orig)  # the smallest whole factor that reaches n_positions
     kinds = ",".join(ROPE_OVERRIDES)
     return (f"{n_positions} positions (prompt plus new tokens) are past the model's maximum "
             f"context of {limit}; to run them anyway, stretch RoPE with --rope-scaling {{{kinds}}} "
             f"--rope-factor F --rope-orig-ctx N so that F x N >= {n_positions} (for example "
-            f"--rope-scaling yarn --rope-factor {factor} --rope-orig-ctx {limit}), knowing that "
+            f"--rope-scaling yarn --rope-factor {factor} --rope-orig-ctx {orig}), knowing that "
             "quality past the length the model was trained on is not guaranteed")
 
 

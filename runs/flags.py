@@ -374,9 +374,12 @@ def check_shapes(args, model_args):
 
 
 def one_line_errors(p):
-    """argparse's errors (an unknown flag, a bad choice) as ours: one line on stderr, exit 2."""
+    """argparse's errors (an unknown flag, a bad choice) as ours: one line on stderr, exit 2. And
+    no abbreviated flags: argparse would read a flag this script lacks as one it has that starts
+    the same (verify.py --prompt X as --prompt-file X), and name the wrong one in its error."""
     def error(message):
         print(f"{p.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
     p.error = error
+    p.allow_abbrev = False
     return p

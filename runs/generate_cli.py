@@ -1,4 +1,4 @@
-"""
+r"""
 `python generate.py`'s command line: its flags (the shared ones from flags.py, then its own), the
 checks made before any weight is loaded, and main(): one prompt, or a --prompts batch through
 batch.py.

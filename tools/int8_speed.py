@@ -1,4 +1,4 @@
-"""
+r"""
 Decode speed of int8 and int4 weights against bf16, on a random model of the SmolLM2-135M shape
 (30 layers, E 576, 9 heads, 3 kv heads, D 64, F 1536, V 49152, tied embeddings), all in one process,
 interleaved so that a busy machine slows every variant alike. Each run is task.run_task with

@@ -1,4 +1,4 @@
-"""
+r"""
 What reading fewer chunks costs in quality and saves in bytes and time: the evaluation behind
 --select (policy.py), for any checkpoint. One table row per policy and budget:
 

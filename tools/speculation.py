@@ -1,4 +1,4 @@
-"""
+r"""
 Speculative decoding side by side with plain decoding, in one process, interleaved: decode tokens/s,
 tokens per verify step, KV bytes read per generated token, the guesser's time, and whether the
 tokens are the same (they must be).
