@@ -333,6 +333,9 @@ def test_context_refusal_and_override_note(checkpoint):
         assert flag in msg
     note = rope_override_note(model_args.with_rope_override("yarn", 4.0), model_args)
     assert "\n" not in note and "yarn" in note and "512" in note and "128" in note
+    # past an override's 512 positions: the example stretches the 128 trained on, not the 512
+    msg = context_refusal(1000, model_args.with_rope_override("yarn", 4.0))
+    assert "--rope-factor 8 --rope-orig-ctx 128" in msg, msg
 
 
 @pytest.mark.parametrize("kind, factor, orig, flag", [

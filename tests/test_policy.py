@@ -15,7 +15,7 @@ from generate import Sampling
 from kvcache import KVCache
 from model import Transformer
 from offload import OffloadConfig
-from policy import Oracle, Quest, make_selection, plan_tiers
+from policy import Oracle, Quest, Sparse, make_selection, plan_tiers
 from runs import generate_cli
 from runs.kvstore import KVStore
 from runs.task import run_task
@@ -338,3 +338,20 @@ def test_the_readmes_new_selection_is_one_class(tmp_path):
                        out["verify.py"])
     assert unread and float(unread.group(1)) > 0, out["verify.py"]
     assert re.search(r"^disk\s+bit-identical", out["verify.py"], re.M), out["verify.py"]
+
+
+def test_a_new_selections_pick_is_checked():
+    """pick may return any iterable of candidates (a list reads as a set); more than k chunks, or a
+    chunk that is not a candidate, is refused with the class's name, not read past the budget."""
+    class Latest(Sparse):  # no `name`: not registered, a test's class only
+        def pick(self, layer, candidates, k, q):
+            return candidates[-k:] if k else []
+
+    class Greedy(Sparse):
+        def pick(self, layer, candidates, k, q):
+            return candidates
+
+    # budget 3 chunks: the sink and 2 picked; window 2 of 10 sealed chunks
+    assert Latest(3 * 16, 16, 2, 0).visits(0, 0, 10, 1) == [0, 6, 7, 8, 9]
+    with pytest.raises(ValueError, match="Greedy.pick returned"):
+        Greedy(3 * 16, 16, 2, 0).visits(0, 0, 10, 1)
