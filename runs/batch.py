@@ -194,8 +194,9 @@ class Results:
         try:  # created 0600, never through a link at its name (private.open_private)
             self.fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except (OSError, PrivateError) as e:
-            raise ValueError(f"--output {path}: cannot be opened "
-                             f"({getattr(e, 'strerror', None) or e})") from None
+            why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+            raise ValueError(f"--output {path}: cannot be opened ({why}); choose another "
+                             "file") from None
         self.done = set()
         # other processes (replicas under torchrun) may append to the same file
         with self.locked():

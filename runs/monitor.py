@@ -135,8 +135,9 @@ def open_trace(path):
     try:
         fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     except (OSError, PrivateError) as e:
-        raise ValueError(f"--trace {path}: cannot be opened ({getattr(e, 'strerror', None) or e}); "
-                         "choose another file") from None
+        # what is wrong, without PrivateError's own advice: this sentence gives one
+        why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+        raise ValueError(f"--trace {path}: cannot be opened ({why}); choose another file") from None
     return os.fdopen(fd, "a", buffering=1)
 
 
