@@ -96,6 +96,15 @@ def few_rows_kernel(q, k):
     return _FEW[key]
 
 
+def build_seconds(kind):
+    """Seconds this process spent building the compiled kernels of `kind` ("attention" or
+    "products") that did build: a failed build falls back to torch's kernel and is not counted."""
+    if kind == "products":
+        return sum(t for k, t in BUILD_SECONDS.items()
+                   if k[0] == "product" and _PRODUCT.get(k[1:]) is not None)
+    return sum(t for k, t in BUILD_SECONDS.items() if k[0] != "product" and _FEW.get(k) is not None)
+
+
 def few_rows_product(x, w, b=None):
     """x [M, K] times w [N, K] (and + b [N]) for a few rows in half precision: each output one dot
     product over K in fp32, rounded once to x's dtype -> [M, N]. Eager, this materialises every
@@ -117,6 +126,9 @@ def product_kernel(x, w, b=None):
     if x.dtype != w.dtype or x.numel() > PRODUCT_ROWS * w.shape[1] or not w.is_contiguous():
         return None
     key = (w.dtype, b is not None)
+    other = (w.dtype, b is None)
+    if key not in _PRODUCT and other in _PRODUCT and _PRODUCT[other] is None:
+        _PRODUCT[key] = None  # its twin failed to build: so would it (said once, by the twin)
     if key not in _PRODUCT:
         start = time.perf_counter()
         _PRODUCT[key] = build_product(w.dtype, b is not None)

@@ -184,6 +184,9 @@ def check_common(args, needs_disk):
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (args.group_buffers >= 0,
          f"--group-buffers must be >= 0, got {args.group_buffers}"),
+        (args.products == "library" or args.quantize == "none",
+         "--products compiled builds bf16 and fp16 products; with --quantize every linear is an "
+         "int8 or int4 product it never runs: drop one of the two"),
         (re.fullmatch(r"cpu|cuda(:\d+)?", args.device),
          f"--device {args.device!r} is not a device this project runs on; give cpu, cuda or "
          "cuda:N"),
@@ -237,7 +240,12 @@ def set_threads(args, watch=None, log=None):
     if args.threads:
         torch.set_num_threads(args.threads)
         return
-    if "OMP_NUM_THREADS" in os.environ or args.device.startswith("cuda"):
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp is not None and not (omp.strip().isdigit() and int(omp) >= 1):
+        # libgomp ignores it with a warning, and torch then takes every core, busy or not
+        raise UsageError(f"OMP_NUM_THREADS={omp!r} is not a thread count; set a whole number >= 1, "
+                         "unset it, or give --threads N")
+    if omp is not None or args.device.startswith("cuda"):
         return
     threads, why = (watch or CoreWatch()).threads()
     torch.set_num_threads(threads)

@@ -121,9 +121,10 @@ def progress_line(stats, n_prompt, n_new):
                      f"guesses kept, {spec['tokens_per_step']:.2f} tok/step, KV "
                      f"{fmt_bytes(spec['kv_bytes_per_token'])}/tok, guessing "
                      f"{spec['draft_s']:.2f}s")
-    if stats.get("attention_build_s"):
-        parts.append(f"decode attention compiled in {stats['attention_build_s']:.1f}s (before the "
-                     "prompt, in none of these times; cached for later runs)")
+    for kind in ("attention", "products"):
+        if stats.get(f"{kind}_build_s"):
+            parts.append(f"decode {kind} compiled in {stats[f'{kind}_build_s']:.1f}s (before the "
+                         "prompt, in none of these times; cached for later runs)")
     if stats.get("resumed_from"):
         parts.append(f"resumed from position {stats['resumed_from']}")
     return " | ".join(parts)

@@ -128,7 +128,8 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     n_restore = agree_min(n_restore, layout)
     replay = replay[:agree_min(len(replay), layout)]
     out = list(replay)  # the tokens so far; durable() reads it from the writer thread
-    built = sum(fewrows.BUILD_SECONDS.values())  # the compiled attention's builds before it
+    # the compiled kernels' builds before this task: its own are those after
+    built = {kind: fewrows.build_seconds(kind) for kind in ("attention", "products")}
 
     def durable(n, chunks):  # writer thread: chunks 0..n-1 are synced; vouch for them
         taskdir.write_manifest({**task, "tokens": list(prompt_ids) + list(out), "chunks": chunks})
@@ -203,9 +204,10 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             taskdir.close(remove=ok and not cfg.keep_files)
     stats["resumed_from"] = resumed_from
     stats["kv_dtype"] = kv_dtype
-    # seconds this task spent building the compiled decode attention (as its cache was made,
-    # before the clock: once per process, from inductor's cache after the machine's first run)
-    stats["attention_build_s"] = round(sum(fewrows.BUILD_SECONDS.values()) - built, 3)
+    # seconds this task spent building the compiled decode attention and products (as its cache
+    # was made, before the clock: once per process, from inductor's cache after the first run)
+    for kind in ("attention", "products"):
+        stats[f"{kind}_build_s"] = round(fewrows.build_seconds(kind) - built[kind], 3)
     return new, stats
 
 

@@ -698,7 +698,7 @@ STATS_KEYS = {"prefill_s", "prefill_tokens", "prefill_tokens_per_s", "ttft_s", "
               "decoded_tokens", "decode_tokens_per_s", "chunks_read_per_decode_step",
               "peak_device_bytes", "peak_host_rss_bytes", "peak_host_anon_bytes",
               "peak_host_file_bytes", "pinned_bytes", "bytes", "io", "chunks", "resumed_from",
-              "kv_dtype", "attention_build_s"}
+              "kv_dtype", "attention_build_s", "products_build_s"}
 
 
 def test_stats_trace_and_summary_end_to_end(text_ckpt, tmp_path, capsys):

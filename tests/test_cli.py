@@ -410,3 +410,17 @@ def test_nan_logits_compare_by_their_bits():
     diff = verify.compare(run, ([5], [(0, "prefill", nan.clone()), (1, "decode", other)], {}))
     assert diff is not None and diff[:3] == (1, 1, "decode")
     assert not verify.same_bits(torch.zeros(2), -torch.zeros(2))  # -0.0 is other bits
+
+
+def test_a_thread_count_that_is_not_one_is_refused(text_ckpt):
+    """OMP_NUM_THREADS that libgomp ignores would leave torch on every core, busy or not; and
+    --products compiled with --quantize would build products no linear runs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "abc"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt,
+                        "--max-new-tokens", "2"], capture_output=True, text=True, cwd=ROOT,
+                       env=env, timeout=120)
+    err = "\n".join(line for line in p.stderr.splitlines() if not line.startswith("libgomp"))
+    assert p.returncode == 2 and "OMP_NUM_THREADS='abc'" in err and "Traceback" not in err, err
+    p = run_script("generate.py", "--ckpt", text_ckpt, "--quantize", "int8", "--products",
+                   "compiled", ok=False)
+    assert_one_line_error(p, "--products compiled", "--quantize")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import kvcache  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from kvlayout import PlainLayout, levels  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -365,21 +366,37 @@ def main(argv=None):
     args = p.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     pk_names = [v for v in args.passkey_variants.split(",") if v]
-    if any(v not in VARIANTS for v in names + pk_names):
-        p.error(f"--variants {args.variants!r}, --passkey-variants {args.passkey_variants!r}: "
-                f"each must be one of {list(VARIANTS)}")
+    for flag, listed in (("--variants", names), ("--passkey-variants", pk_names)):
+        if any(v not in VARIANTS for v in listed):
+            p.error(f"{flag} {','.join(listed)!r}: each must be one of {list(VARIANTS)}")
     lengths = []
     if args.passkey:
         try:
             lengths = [int(n) for n in args.passkey.split(",")]
         except ValueError:
             p.error(f"--passkey {args.passkey!r}: give comma-separated token counts")
+    for flag, value, least in (("--pages", args.pages, 1), ("--window", args.window, 2),
+                               ("--prompts", args.prompts, 1), ("--new-tokens", args.new_tokens, 1),
+                               ("--passkey-chunk", args.passkey_chunk, 1)):
+        if value < least:
+            p.error(f"{flag} {value}: give at least {least}")
+    if lengths and min(lengths) < 64:
+        p.error(f"--passkey {args.passkey}: give prompt lengths of at least 64 tokens")
+    try:
+        return report(args, names, pk_names, lengths)
+    except (CheckpointError, ValueError) as e:  # a checkpoint, or a variant's shape refused
+        p.error(str(e))
+
+
+def report(args, names, pk_names, lengths):
+    """The tables main prints."""
     rows = quality_table(args.ckpt, names, args.pages, args.window, args.prompts, 64,
-                         args.new_tokens)
-    print(f"{args.ckpt}, {args.pages} pydoc pages x {args.window} tokens teacher-forced, "
-          f"{args.prompts} prompts x {args.new_tokens} greedy tokens; against the fp32 model\n")
-    print("| weights / activations / KV | top-1 agreement | perplexity | change | greedy "
-          "continuation agreement |\n|---|---|---|---|---|")
+                         args.new_tokens) if names else []
+    if rows:
+        print(f"{args.ckpt}, {args.pages} pydoc pages x {args.window} tokens teacher-forced, "
+              f"{args.prompts} prompts x {args.new_tokens} greedy tokens; against the fp32 model\n")
+        print("| weights / activations / KV | top-1 agreement | perplexity | change | greedy "
+              "continuation agreement |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['top1_agreement']:.2%} | {r['perplexity']:.3f} | "
               f"{r['perplexity_change']:+.2%} | {r['greedy_agreement']:.2%} "
