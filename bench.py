@@ -7,15 +7,16 @@ import sys
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    from runs import interrupt
+    interrupt.starting("bench.py")  # Ctrl-C while torch imports: one line, exit 130
     try:
         from measure import bench, probe, tune
-        main = bench.main
-        if "--tune" in argv:
-            main = tune.main
-        elif "--probe" in argv:
-            main = probe.main
+        interrupt.started()
+        main = tune.main if "--tune" in argv else probe.main if "--probe" in argv else bench.main
         code = main([a for a in argv if a not in ("--tune", "--probe")])
-    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+    except KeyboardInterrupt:  # Ctrl-C once started: one line and 130
         print("bench.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # `| head`: one line and 141
+        code = interrupt.closed_stdout("bench.py")
     sys.exit(code)

@@ -12,5 +12,13 @@ runs/chat.py, runs/session.py); running this file runs them.
 import sys
 
 if __name__ == "__main__":
+    from runs import interrupt
+    interrupt.starting("chat.py")  # Ctrl-C while torch imports: one line, exit 130
     from runs.chat_cli import main
-    sys.exit(main())
+    interrupt.started()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # while the model loads (in a session, Ctrl-C is the session's)
+        print("chat.py: interrupted (Ctrl-C); what the session saved is kept", file=sys.stderr)
+        code = 130
+    sys.exit(code)

@@ -5,10 +5,15 @@ configuration (measure/doctor.py). `python verify.py --diagnose ...` runs it too
 import sys
 
 if __name__ == "__main__":
+    from runs import interrupt
+    interrupt.starting("doctor.py")  # Ctrl-C while torch imports: one line, exit 130
     try:
         from measure import doctor
+        interrupt.started()
         code = doctor.main()
-    except KeyboardInterrupt:  # Ctrl-C, even while torch imports: one line and 130
+    except KeyboardInterrupt:  # Ctrl-C once started: one line and 130
         print("doctor.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # `| head`: one line and 141
+        code = interrupt.closed_stdout("doctor.py")
     sys.exit(code)

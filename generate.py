@@ -11,18 +11,12 @@ line lives one layer up, in flags.py (flags, checks, batch mode); running this f
 """
 import ctypes
 import ctypes.util
-import signal
 import sys
 from dataclasses import dataclass
 
-
-def _interrupted_starting(signum, frame):
-    print("generate.py: interrupted while starting; nothing was kept", file=sys.stderr)
-    raise SystemExit(130)
-
-
 if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (runs/generate_cli.py)
-    signal.signal(signal.SIGINT, _interrupted_starting)
+    from runs import interrupt
+    interrupt.starting("generate.py")
 
 import torch  # noqa: E402
 

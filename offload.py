@@ -408,8 +408,16 @@ class TieredStore(Prefetcher):
                 "offloading": self.cfg.mode != "none", "window": self.window}
 
     def close(self):
+        # Ctrl-C while the workers finish: they still write into the tiers' files, which close
+        # then unmaps and removes, so they are waited for all the same; the interrupt goes on after
+        interrupted = None
         for worker in filter(None, (self.reader, self.writer)):
-            worker.shutdown(wait=True)
+            while True:
+                try:
+                    worker.shutdown(wait=True)
+                    break
+                except KeyboardInterrupt as e:
+                    interrupted = e
         if self.cuda:
             self.copy_stream.synchronize()   # rule 5: a failed step's copies may still read bounces
             self.evict_stream.synchronize()  # rule 5: the last evictions may still write host slots
@@ -422,3 +430,5 @@ class TieredStore(Prefetcher):
         if self.arena is not None:  # its slots go to the next task that joins
             self.arena.leave(self.arena_index)
             self.arena = None
+        if interrupted is not None:
+            raise interrupted

@@ -13,20 +13,15 @@ and its extra modes (torchrun, --kv-store, --batch, --diagnose) are runs/proofs.
 Exit 0: all bit-identical; 1: a mismatch (the first differing step is named); 2: bad usage.
 """
 import pydoc_data.topics
-import signal
 import sys
 import time
 
 INTERRUPTED = "verify.py: interrupted (Ctrl-C); nothing to resume: run it again"
 
 
-def _interrupted_starting(signum, frame):
-    print(INTERRUPTED, file=sys.stderr)
-    raise SystemExit(130)
-
-
 if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (the __main__ below)
-    signal.signal(signal.SIGINT, _interrupted_starting)
+    from runs import interrupt
+    interrupt.starting("verify.py")
 
 import torch  # noqa: E402
 
@@ -140,11 +135,17 @@ if __name__ == "__main__":
     sys.modules["verify"] = sys.modules["__main__"]
     if "--diagnose" in sys.argv[1:]:  # the alias: the troubleshooting chains are a command now
         from measure import doctor
-        sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
+        interrupt.started()
+        try:
+            sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
+        except KeyboardInterrupt:
+            print("doctor.py: interrupted (Ctrl-C); nothing to resume: run it again",
+                  file=sys.stderr)
+            sys.exit(130)
     try:
         from runs import launch, proofs
         # from here Ctrl-C raises KeyboardInterrupt, so the runs' finally blocks close their stores
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        interrupt.started()
         code = proofs.main()
     except KeyboardInterrupt:
         print(INTERRUPTED, file=sys.stderr)

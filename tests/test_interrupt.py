@@ -123,3 +123,30 @@ def test_ctrl_c_in_the_other_commands_is_one_line(tmp_path, command):
     assert last == f"{command}: interrupted (Ctrl-C); nothing to resume: run it again", err
     if command == "verify.py":  # it says nothing on stderr before: the one line is all
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_ctrl_c_while_a_command_starts_ends_it_at_once():
+    """Ctrl-C during a command's imports: one line, exit 130, the process ended where it stood
+    (an exception raised inside an import could leave a module half made and the command going
+    on); once started, Ctrl-C is a KeyboardInterrupt again."""
+    code = ("import os, signal, sys, time\n"
+            "from runs import interrupt\n"
+            "interrupt.starting('x.py')\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n"
+            "time.sleep(30)\n"
+            "print('went on')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert p.stderr == "x.py: interrupted while starting; nothing was kept\n", p.stderr
+    code = ("import os, signal\n"
+            "from runs import interrupt\n"
+            "interrupt.starting('x.py')\n"
+            "interrupt.started()\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('raised')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and p.stdout == "raised\n", (p.stdout, p.stderr)
