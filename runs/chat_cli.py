@@ -19,6 +19,7 @@ from model import Transformer
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from pools import OffloadError
 from private import PrivateError, make_private_dir
+from runs import interrupt
 from runs.chat import MANIFEST_NAME, Chat, interruptible, json_line, repl
 from runs.cores import CoreWatch
 from runs.flags import (
@@ -144,6 +145,10 @@ def main(argv=None):
         rc = repl(chat, progress=lambda: Progress("prefill"))
         chat.save()
         return rc
+    except BrokenPipeError:  # stdout's reader is gone (`| head`): as generate.py, 141
+        print(f"chat.py: stdout was closed (a broken pipe): the turn in flight is dropped, every "
+              f"turn before it is saved (resume with --session {chat.path})", file=sys.stderr)
+        return interrupt.closed_stdout_quietly()
     except (OSError, OffloadError) as e:
         print(f"\nchat.py: error: {e}; the turn in flight is dropped, every turn before it is "
               f"saved (resume with --session {chat.path})", file=sys.stderr)

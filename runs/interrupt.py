@@ -23,10 +23,14 @@ def started():
 
 
 def closed_stdout(command):
-    """stdout's reader went away (`| head`): one line on stderr, stdout pointed at /dev/null so that
-    the interpreter's last flush cannot fail again; returns the exit status, 141 (128 + SIGPIPE), as
-    a process that signal ended."""
+    """stdout's reader went away (`| head`): one line on stderr, then closed_stdout_quietly."""
     os.write(2, f"{command}: stdout was closed before the end (a broken pipe): stopped\n".encode())
+    return closed_stdout_quietly()
+
+
+def closed_stdout_quietly():
+    """stdout pointed at /dev/null, so that the interpreter's last flush cannot fail again; returns
+    the exit status, 141 (128 + SIGPIPE), as a process that signal ended."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
