@@ -72,6 +72,12 @@ def dir_problem(st):
     return None
 
 
+def what_is_wrong(e):
+    """An open_private failure (OSError or PrivateError) as the words for what is wrong, without
+    PrivateError's own advice: for a caller whose sentence gives its own."""
+    return str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or str(e)
+
+
 def open_private(path, flags):
     """os.open for a file of ours: never through a symbolic link at its name (O_NOFOLLOW), never
     inherited by a child process (O_CLOEXEC), created 0600. A file already there must be a regular

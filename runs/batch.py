@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from disk import DISK_FULL, DiskError
 from generate import SEED_LIMIT
 from pools import OffloadError
-from private import PrivateError, open_private
+from private import PrivateError, open_private, what_is_wrong
 from runs import launch
 from runs.cores import one_thread_here
 from runs.taskdir import TaskDir, TaskDirError, safe_task_name
@@ -194,7 +194,7 @@ class Results:
         try:  # created 0600, never through a link at its name (private.open_private)
             self.fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
         except (OSError, PrivateError) as e:
-            why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+            why = what_is_wrong(e)
             raise ValueError(f"--output {path}: cannot be opened ({why}); choose another "
                              "file") from None
         self.done = set()

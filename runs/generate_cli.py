@@ -28,7 +28,7 @@ from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
-from runs import launch, speculation
+from runs import interrupt, launch, speculation
 from runs.batch import Interrupted, holds_lines, run_batch
 from runs.batcher import Batcher
 from runs.cores import CoreWatch
@@ -320,8 +320,7 @@ def main(argv=None):
         # worth resuming (a batch keeps its tasks: its results go to --output)
         for t in () if args.prompts else args.started:
             shutil.rmtree(os.path.join(args.offload_dir, safe_task_name(t)), ignore_errors=True)
-        print_err("generate.py: stdout was closed before the end (a broken pipe): stopped")
-        return launch.BROKEN_PIPE
+        return interrupt.closed_stdout("generate.py")
     finally:
         remove_created_offload_dir(args)
         if here:

@@ -145,19 +145,10 @@ def backend_threads():
     return [n for n in names if "gloo" in n]
 
 
-# the exit status of a run whose stdout was closed by its reader (`| head`): 128 + SIGPIPE, as a
-# process the signal ended
-BROKEN_PIPE = 141
-
-
 def exit(code):
     """End the process with `code`. If the backend's threads outlived the process group (finish),
     end it without the interpreter's shutdown, which would race them: everything of ours is closed
     and written by then, so only stdout and stderr need flushing."""
-    if code == BROKEN_PIPE:  # stdout's reader is gone: the interpreter's last flush would fail
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
     if backend_threads():
         sys.stdout.flush()
         sys.stderr.flush()

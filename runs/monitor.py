@@ -23,7 +23,7 @@ import time
 import torch
 
 from policy import plan_tiers
-from private import PrivateError, open_private
+from private import PrivateError, open_private, what_is_wrong
 
 STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
 SLOW_FLOOR_S = 1.0  # the slow-task alert: how late a task must be at least, besides 2x
@@ -136,8 +136,7 @@ def open_trace(path):
     try:
         fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     except (OSError, PrivateError) as e:
-        # what is wrong, without PrivateError's own advice: this sentence gives one
-        why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+        why = what_is_wrong(e)
         raise ValueError(f"--trace {path}: cannot be opened ({why}); choose another file") from None
     return os.fdopen(fd, "a", buffering=1)
 

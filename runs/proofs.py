@@ -26,7 +26,7 @@ from kvbatch import make_arena
 from offload import OffloadConfig
 from pools import OffloadError
 from rowwise import PIECES, decisions
-from runs import launch, speculation
+from runs import interrupt, launch, speculation
 from runs.batcher import Batcher
 from runs.cores import one_thread_here
 from runs.flags import (
@@ -235,8 +235,7 @@ def main(argv=None):
     try:
         return run(args)
     except BrokenPipeError:  # stdout's reader is gone (`| head`): neither a proof nor a mismatch
-        print_err("verify.py: stdout was closed before the report's end (a broken pipe)")
-        return launch.BROKEN_PIPE
+        return interrupt.closed_stdout("verify.py")
     finally:
         remove_created_offload_dir(args)
 

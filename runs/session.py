@@ -34,7 +34,14 @@ import numpy as np
 import torch
 
 from generate import decode_one_token, prefill
-from private import PrivateError, dir_problem, make_private_dir, open_private, write_atomic
+from private import (
+    PrivateError,
+    dir_problem,
+    make_private_dir,
+    open_private,
+    what_is_wrong,
+    write_atomic,
+)
 from runs.taskdir import is_ints, manifest_check
 
 VERSION = 1
@@ -165,8 +172,7 @@ def read_manifest(path, max_bytes=MANIFEST_SLACK):
     try:
         fd = open_private(os.path.join(path, MANIFEST), os.O_RDONLY)
     except (OSError, PrivateError) as e:
-        # what is wrong, without PrivateError's advice: the caller's sentence gives its own
-        why = str(e).split("; ")[0] if isinstance(e, PrivateError) else e.strerror or e
+        why = what_is_wrong(e)
         return None, f"{MANIFEST} cannot be read ({why})"
     with os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)

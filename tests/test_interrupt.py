@@ -125,28 +125,20 @@ def test_ctrl_c_in_the_other_commands_is_one_line(tmp_path, command):
         assert len(err.strip().splitlines()) == 1, err
 
 
+def python_c(code):
+    """`python -c code` from the repository's root: the finished process."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
 def test_ctrl_c_while_a_command_starts_ends_it_at_once():
     """Ctrl-C during a command's imports: one line, exit 130, the process ended where it stood
     (an exception raised inside an import could leave a module half made and the command going
     on); once started, Ctrl-C is a KeyboardInterrupt again."""
-    code = ("import os, signal, sys, time\n"
-            "from runs import interrupt\n"
-            "interrupt.starting('x.py')\n"
-            "os.kill(os.getpid(), signal.SIGINT)\n"
-            "time.sleep(30)\n"
-            "print('went on')\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    start = "import os, signal, time\nfrom runs import interrupt\ninterrupt.starting('x.py')\n"
+    p = python_c(start + "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(30)\nprint('went on')\n")
     assert p.returncode == 130 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
     assert p.stderr == "x.py: interrupted while starting; nothing was kept\n", p.stderr
-    code = ("import os, signal\n"
-            "from runs import interrupt\n"
-            "interrupt.starting('x.py')\n"
-            "interrupt.started()\n"
-            "try:\n"
-            "    os.kill(os.getpid(), signal.SIGINT)\n"
-            "except KeyboardInterrupt:\n"
-            "    print('raised')\n")
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    p = python_c(start + "interrupt.started()\ntry:\n    os.kill(os.getpid(), signal.SIGINT)\n"
+                 "except KeyboardInterrupt:\n    print('raised')\n")
     assert p.returncode == 0 and p.stdout == "raised\n", (p.stdout, p.stderr)
