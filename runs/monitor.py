@@ -315,8 +315,8 @@ class Monitor:
                               or "none moved (no task ran)")]
         if t.get("batched_steps"):
             per_step = t["batched_rows"] / t["batched_steps"]
-            lines.append(f"batched: {t['batched_steps']} decode steps shared by {per_step:.1f} "
-                         "tasks on average")
+            lines.append(f"batched: {t['batched_steps']} decode steps for {t['batched_rows']} "
+                         f"tokens, shared by {per_step:.1f} tasks on average")
         lines += [f"FAILED {task}: {err}" for task, err in t["failed"] if failures]
         return "\n".join(lines)
 

@@ -238,9 +238,11 @@ def test_batched_tasks_equal_their_serial_results(text_ckpt, tmp_path, capsys, s
     for i, r in got.items():
         assert r["tokens"] == serial[i]["tokens"], f"task {i} differs at {flag} {n}"
         assert r["stats"]["chunks"]["disk"] > 0 or r["prompt_tokens"] + 12 <= 2 * C, r["stats"]
-    # the tasks did share their decode steps: more than one task per step on average
-    shared = re.search(r"batched: (\d+) decode steps shared by ([\d.]+) tasks", err)
-    assert shared and float(shared.group(2)) > 1.2, err
+    # the tasks did share their decode steps: fewer steps than the tokens they gave. How many are
+    # shared depends on when each task's thread joins (a joining task's prefill runs between the
+    # others' steps, which do not wait for it): 19 to 36 steps for 44 tokens have been seen.
+    shared = re.search(r"batched: (\d+) decode steps for (\d+) tokens", err)
+    assert shared and int(shared.group(1)) < int(shared.group(2)), err
 
 
 def test_torn_last_line_is_repaired(text_ckpt, tmp_path, capsys, serial):
