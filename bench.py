@@ -14,9 +14,8 @@ if __name__ == "__main__":
         interrupt.started()
         main = tune.main if "--tune" in argv else probe.main if "--probe" in argv else bench.main
         code = main([a for a in argv if a not in ("--tune", "--probe")])
-    except KeyboardInterrupt:  # Ctrl-C once started: one line and 130
-        print("bench.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP once started: one line
+        code = interrupt.ended("bench.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("bench.py")
     sys.exit(code)

@@ -18,7 +18,6 @@ if __name__ == "__main__":
     interrupt.started()
     try:
         code = main()
-    except KeyboardInterrupt:  # while the model loads (in a session, Ctrl-C is the session's)
-        print("chat.py: interrupted (Ctrl-C); what the session saved is kept", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # while the model loads (in a session, the session's own)
+        code = interrupt.ended("chat.py", e, "what the session saved is kept")
     sys.exit(code)

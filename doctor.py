@@ -11,9 +11,8 @@ if __name__ == "__main__":
         from measure import doctor
         interrupt.started()
         code = doctor.main()
-    except KeyboardInterrupt:  # Ctrl-C once started: one line and 130
-        print("doctor.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP once started: one line
+        code = interrupt.ended("doctor.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("doctor.py")
     sys.exit(code)

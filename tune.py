@@ -11,9 +11,8 @@ if __name__ == "__main__":
         from measure import tune
         interrupt.started()
         code = tune.main()
-    except KeyboardInterrupt:  # Ctrl-C once started: one line and 130
-        print("tune.py: interrupted (Ctrl-C); nothing to resume: run it again", file=sys.stderr)
-        code = 130
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP once started: one line
+        code = interrupt.ended("tune.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("tune.py")
     sys.exit(code)

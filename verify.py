@@ -16,9 +16,6 @@ import pydoc_data.topics
 import sys
 import time
 
-INTERRUPTED = "verify.py: interrupted (Ctrl-C); nothing to resume: run it again"
-
-
 if __name__ == "__main__":  # Ctrl-C while torch imports: one line, as later (the __main__ below)
     from runs import interrupt
     interrupt.starting("verify.py")
@@ -138,16 +135,14 @@ if __name__ == "__main__":
         interrupt.started()
         try:
             sys.exit(doctor.main([a for a in sys.argv[1:] if a != "--diagnose"]))
-        except KeyboardInterrupt:
-            print("doctor.py: interrupted (Ctrl-C); nothing to resume: run it again",
-                  file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:
+            sys.exit(interrupt.ended("doctor.py", e))
     try:
         from runs import launch, proofs
-        # from here Ctrl-C raises KeyboardInterrupt, so the runs' finally blocks close their stores
+        # from here Ctrl-C (SIGTERM, SIGHUP) raises KeyboardInterrupt, so the runs' finally blocks
+        # close their stores
         interrupt.started()
         code = proofs.main()
-    except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        sys.exit(interrupt.ended("verify.py", e))
     launch.exit(code)

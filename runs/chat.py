@@ -23,6 +23,7 @@ from generate import generate
 from kvcache import make_cache
 from policy import default_dense
 from private import make_private_dir
+from runs.interrupt import Terminated, status
 from runs.monitor import fmt_bytes
 from runs.session import (
     KV_DIR,
@@ -70,6 +71,7 @@ class Chat:
         self.write = write    # the answer's text (stdout)
         self.trace = trace
         self.stop = False
+        self.ending = None    # SIGTERM or SIGHUP came: the session ends, saved, after this turn
         self.cache = None
         self.last = {}        # the last turn's numbers, for /stats
         self.warned = False
@@ -455,32 +457,46 @@ def json_line(obj):
 @contextlib.contextmanager
 def interruptible(chat):
     """Ctrl-C sets chat.stop instead of raising wherever Python happens to be (half-way through a
-    step, a seal, a save): the loops check it where every fed token is committed."""
+    step, a seal, a save): the loops check it where every fed token is committed. SIGTERM and
+    SIGHUP (a closed terminal) stop the turn so too, and set chat.ending: the session then ends,
+    saved. A signal the process was started ignoring (nohup's SIGHUP) stays ignored."""
     def interrupt(signum, frame):
         chat.stop = True
+        if signum != signal.SIGINT:
+            chat.ending = signum
     chat.stop = False
-    old = signal.signal(signal.SIGINT, interrupt)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s, handler in old.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, interrupt)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, old)
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def repl(chat, read=input, progress=None):
     """Ask for a line with '> ', answer it; returns the exit code. Ctrl-C stops an answer (and,
-    at the prompt, clears the line); Ctrl-D or /quit ends the session, saved."""
+    at the prompt, clears the line); Ctrl-D or /quit ends the session, saved; SIGTERM or SIGHUP
+    end it too, after the turn in flight stops: 128 + the signal."""
     while True:
         try:
             line = read("> ")
         except EOFError:
             chat.write("\n")
             return 0
+        except Terminated as e:  # at the prompt (runs/interrupt.py's handler)
+            chat.write("\n")
+            return status(e)
         except KeyboardInterrupt:
             chat.write("\n")
             continue
         with interruptible(chat):
             if command(chat, line.strip(), progress):
                 return 0
+        if chat.ending:
+            return 128 + chat.ending
 
 
 def command(chat, line, progress):

@@ -131,6 +131,9 @@ def main(argv=None):
                 chat.prefill_document(kv_store, Progress("document"))
             took = time.perf_counter() - t
             chat.save()
+            if chat.ending:  # SIGTERM or SIGHUP: what is prefilled is saved; the rest on resume
+                return interrupt.ended("chat.py", interrupt.Terminated(chat.ending),
+                                       f"the session is saved (resume with --session {chat.path})")
             print(f"document: {chat.cache.length} tokens prefilled in {took:.2f} s",
                   file=sys.stderr)
             if chat.trace:
@@ -144,6 +147,9 @@ def main(argv=None):
             pass
         rc = repl(chat, progress=lambda: Progress("prefill"))
         chat.save()
+        if rc > 128:  # SIGTERM or SIGHUP: the turn in flight stopped, the session saved
+            return interrupt.ended("chat.py", interrupt.Terminated(rc - 128),
+                                   f"the session is saved (resume with --session {chat.path})")
         return rc
     except BrokenPipeError:  # stdout's reader is gone (`| head`): as generate.py, 141
         print(f"chat.py: stdout was closed (a broken pipe): the turn in flight is dropped, every "

@@ -306,16 +306,21 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     args.at = None         # (phase, position, prompt tokens) of the lone task's last step
     args.started = set()   # ids of the tasks begun
-    # signal handlers belong to the main thread; called from another, Ctrl-C stays the caller's
+    # signal handlers belong to the main thread; called from another, Ctrl-C stays the caller's.
+    # SIGTERM and SIGHUP stop a run as Ctrl-C does (runs/interrupt.py); an ignored one stays so
     here = threading.current_thread() is threading.main_thread()
-    previous = None
+    previous = {}
     if here:
-        previous = signal.signal(signal.SIGINT, stop_once)
+        for signum, handler in ((signal.SIGINT, stop_once), (signal.SIGTERM, interrupt.terminate),
+                                (signal.SIGHUP, interrupt.terminate)):
+            previous[signum] = signal.getsignal(signum)
+            if previous[signum] != signal.SIG_IGN:
+                signal.signal(signum, handler)
     try:
         return generate_main(args)
-    except KeyboardInterrupt:
-        print_interrupted(args)
-        return 130
+    except KeyboardInterrupt as e:
+        print_interrupted(args, e)
+        return interrupt.status(e)
     except BrokenPipeError:  # stdout's reader is gone (`| head`): a lone prompt's task is not
         # worth resuming (a batch keeps its tasks: its results go to --output)
         for t in () if args.prompts else args.started:
@@ -323,8 +328,8 @@ def main(argv=None):
         return interrupt.closed_stdout("generate.py")
     finally:
         remove_created_offload_dir(args)
-        if here:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def stop_once(signum, frame):
@@ -340,12 +345,15 @@ def vouched_for(task_dir):
     return all(os.path.isfile(os.path.join(task_dir, r, "manifest.json")) for r in ranks or [""])
 
 
-def print_interrupted(args):
-    """The one line a Ctrl-C ends a run with: what it kept, where, and how to go on or remove it.
-    Said by the first process only (under torchrun every rank gets the signal)."""
+def print_interrupted(args, e):
+    """The one line a Ctrl-C (a SIGTERM, a SIGHUP: e) ends a run with: what it kept, where, and
+    how to go on or remove it. Said by the first process only (under torchrun every rank gets the
+    signal)."""
     if os.environ.get("RANK", "0") != "0":
         return
     disk = getattr(args, "offload", None) == "disk"
+    # "interrupted", or what else stopped it
+    stopped = "interrupted" if interrupt.signum_of(e) == signal.SIGINT else interrupt.said(e)
     dirs = [os.path.join(args.offload_dir, safe_task_name(t)) for t in sorted(args.started)]
     kept = [d for d in dirs if disk and os.path.isdir(d)]
     # the disk blocks they hold (the tier's files are reserved up front, then filled)
@@ -357,15 +365,15 @@ def print_interrupted(args):
         if args.output and os.path.isfile(args.output):
             with open(args.output, "rb") as f:
                 done = sum(1 for _ in f)
-        said = f"generate.py: interrupted; {done} results are in {args.output} (a rerun skips them)"
+        said = f"generate.py: {stopped}; {done} results are in {args.output} (a rerun skips them)"
         what = f"{len(kept)} unfinished tasks kept their disk tiers"
     else:
-        said = "generate.py: interrupted before the first step"
+        said = f"generate.py: {stopped} before the first step"
         if args.at:
             phase, position, n_prompt = args.at
-            said = (f"generate.py: interrupted at prefill {position} of {n_prompt} prompt tokens"
+            said = (f"generate.py: {stopped} at prefill {position} of {n_prompt} prompt tokens"
                     if phase == "prefill" else
-                    f"generate.py: interrupted while decoding, at position {position}")
+                    f"generate.py: {stopped} while decoding, at position {position}")
         what = "the task kept its disk tier"
     if not kept:
         why = "" if disk else " (only --offload disk keeps a task to resume)"

@@ -1,25 +1,76 @@
 """
-Ctrl-C while a command starts: its imports (torch's take seconds) are not a run yet, so the process
-says so in one line and ends at once, exit 130. Not by raising: an exception raised inside an
-import can leave a module half made (numpy's was seen to), and the command then went on with it
+How a command ends when it is asked to stop: Ctrl-C (SIGINT), a scheduler's or a service manager's
+SIGTERM, a closed terminal's SIGHUP, or stdout's reader gone (`| head`).
+
+While a command starts, its imports (torch's take seconds) are not a run yet, so the process says
+so in one line and ends at once, exit 128 + the signal. Not by raising: an exception raised inside
+an import can leave a module half made (numpy's was seen to), and the command then went on with it
 and failed later, or finished after saying it was interrupted. Once its imports are done a command
-puts Python's own handler back (started), and its run handles Ctrl-C as it says.
+calls started(): Ctrl-C raises KeyboardInterrupt, and SIGTERM or SIGHUP raise Terminated, a
+KeyboardInterrupt, so a run stopped by either keeps and removes what Ctrl-C keeps and removes (a
+batch's finished results and resumable tiers, a chat session's turns) and says so in one line. Its
+exit status is status(e): 130, 143 or 129, as the signal's own would be.
 """
 import os
 import signal
 
+STOPS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+IGNORED = set()  # the signals this process was started ignoring (nohup's SIGHUP): they stay so
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached a started command: handled as Ctrl-C is."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
 
 def starting(command):
-    """From now until started(): Ctrl-C ends the process at once with one line naming command."""
-    def interrupted(signum, frame):
-        os.write(2, f"{command}: interrupted while starting; nothing was kept\n".encode())
-        os._exit(130)
-    signal.signal(signal.SIGINT, interrupted)
+    """From now until started(): Ctrl-C, SIGTERM or SIGHUP end the process at once with one line
+    naming command."""
+    def stopped(signum, frame):
+        os.write(2, f"{command}: {said(signum)} while starting; nothing was kept\n".encode())
+        os._exit(128 + signum)
+    for signum in STOPS:
+        if signal.getsignal(signum) == signal.SIG_IGN:
+            IGNORED.add(signum)
+        else:
+            signal.signal(signum, stopped)
 
 
 def started():
-    """Ctrl-C raises KeyboardInterrupt again, for the run's own handling."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Ctrl-C raises KeyboardInterrupt again, SIGTERM and SIGHUP Terminated, for the run's own
+    handling."""
+    for signum, handler in ((signal.SIGINT, signal.default_int_handler),
+                            (signal.SIGTERM, terminate), (signal.SIGHUP, terminate)):
+        if signum not in IGNORED:
+            signal.signal(signum, handler)
+
+
+def terminate(signum, frame):
+    """SIGTERM or SIGHUP: stop where the run is; a second one cannot cut short the cleanup that
+    follows (a scheduler that means it sends SIGKILL)."""
+    for other in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(other, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def signum_of(e):
+    """The signal a KeyboardInterrupt stands for."""
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def said(e):
+    """'interrupted (Ctrl-C)', 'stopped (SIGTERM)' or 'stopped (SIGHUP)' for a KeyboardInterrupt
+    or a signal number."""
+    signum = e if isinstance(e, int) else signum_of(e)
+    return "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped ({STOPS[signum]})"
+
+
+def status(e):
+    """The exit status of a command that e stopped: 128 + its signal (130 for Ctrl-C)."""
+    return 128 + signum_of(e)
 
 
 def closed_stdout(command):
@@ -35,3 +86,9 @@ def closed_stdout_quietly():
     os.dup2(devnull, 1)
     os.close(devnull)
     return 141
+
+
+def ended(command, e, kept="nothing to resume: run it again"):
+    """The one line a stopped command ends with (on stderr); returns its exit status."""
+    os.write(2, f"{command}: {said(e)}; {kept}\n".encode())
+    return status(e)

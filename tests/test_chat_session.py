@@ -97,6 +97,24 @@ class Terminal:
         self.expect(re.escape(question) + r"\n")  # the terminal's echo
         self.expect(r"\S")
 
+    def waiting_for_a_key(self, timeout=30):
+        """Until chat.py's main thread sleeps in readline's select(): a signal that lands between
+        the prompt and that select() is seen only at the next key (readline's own race), so a
+        test sends its signals after it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{self.pid}/wchan") as f:
+                    wchan = f.read()
+            except OSError:
+                wchan = "0"
+            if "select" in wchan or "poll" in wchan:
+                return
+            if wchan == "0":  # a kernel that does not say: a second is plenty in practice
+                time.sleep(1.0)
+                return
+            time.sleep(0.01)
+
     def wait(self, timeout=60):
         """The exit status, reading the screen meanwhile."""
         deadline = time.monotonic() + timeout
@@ -200,6 +218,33 @@ def test_a_session_killed_stopped_and_resumed_gives_the_uninterrupted_tokens_and
     assert rc == 0
     c = turns(tmp_path / "c.jsonl")
     assert (c[0]["tokens"], c[0]["logits_sha256"]) == (a[2]["tokens"], a[2]["logits_sha256"])
+
+
+def test_sigterm_mid_answer_and_sighup_at_the_prompt_end_the_session_saved(chat_ckpt, tmp_path):
+    """A scheduler's SIGTERM in the middle of an answer stops it as Ctrl-C does (the turn kept,
+    stopped) and ends the session, saved: 143 and one line. A closed terminal's SIGHUP at the
+    prompt: 129. Each reopens with every turn it had."""
+    common = ["--ckpt", chat_ckpt, *FLAGS, *TIERS]
+    s = str(tmp_path / "s")
+    t = Terminal(*common, "--document", os.path.join(chat_ckpt, "doc.txt"), "--session", s)
+    t.ask("Tell me everything.")
+    os.kill(t.pid, signal.SIGTERM)
+    assert t.wait() == 143, t.screen[-2000:]
+    assert f"chat.py: stopped (SIGTERM); the session is saved (resume with --session {s})" in (
+        t.screen), t.screen[-2000:]
+    assert "Traceback" not in t.screen, t.screen[-2000:]
+    rc, _, err = chat_in_process([*common, "--session", s, "--trace", str(tmp_path / "a.jsonl")],
+                                 ["And then?"])
+    assert rc == 0 and " tokens, 1 turns;" in err, err
+    assert len(turns(tmp_path / "a.jsonl")) == 1
+    t = Terminal(*common, "--session", s)
+    t.prompt()
+    t.waiting_for_a_key()
+    os.kill(t.pid, signal.SIGHUP)
+    assert t.wait() == 129, t.screen[-2000:]
+    assert "chat.py: stopped (SIGHUP); the session is saved" in t.screen, t.screen[-2000:]
+    rc, _, err = chat_in_process([*common, "--session", s], [])
+    assert rc == 0 and " tokens, 2 turns;" in err, err
 
 
 def session_argv(ckpt, path, trace=None, *more):
