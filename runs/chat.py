@@ -9,7 +9,7 @@ every turn, so a kill loses at most the turn in flight, and --session DIR resume
 A turn's tokens: the template renders the whole conversation; if that text starts with the text the
 cache already holds (the conversation so far, the last answer as the model wrote it), only the rest
 is encoded and computed. A template that rewrites earlier turns (some strip past reasoning) does not
-extend: said once, and such a turn is computed from the start.
+extend: said once, and such a turn keeps the positions whose tokens it did not change (exact_cut).
 """
 import contextlib
 import json
@@ -250,14 +250,16 @@ class Chat:
             return "the document is not prefilled yet; ask again to go on with it"
         messages = self.messages + [{"role": "user", "content": question}]
         text = self.render(messages)
-        restart = not text.startswith(self.rendered)
-        if restart:
-            if not self.warned:
-                self.log("chat.py: the chat template does not render this conversation as an "
-                         "extension of the last turn; this turn is computed from the start")
-                self.warned = True
-            seg = self.tok.encode_rendered(text)
-            base = 0
+        rewritten = not text.startswith(self.rendered)
+        if rewritten:
+            # the template rewrote what it rendered before (an answer trimmed, past reasoning
+            # dropped): the cache keeps the positions whose tokens are unchanged, back to a point
+            # where the record of how they were computed replays exactly (exact_cut)
+            ids = self.tok.encode_rendered(text)
+            same = next((i for i, (a, b) in enumerate(zip(self.tokens, ids)) if a != b),
+                        min(len(self.tokens), len(ids)))
+            base = exact_cut(self.segments, same, self.C)
+            seg = ids[base:]
         else:
             seg = self.pending + self.tok.encode_rendered(text[len(self.rendered):],
                                                           continues=bool(self.tokens))
@@ -268,12 +270,14 @@ class Chat:
                     f"question needs {len(seg) + 1}; /drop K forgets the K oldest turns (the rest "
                     "is recomputed), /reset starts over with the document, or start a new "
                     "session with a longer --max-length (up to the model's context)")
-        if restart:
-            self.gen += 1
-            self.crcs, self.open_crc = [], None
-            self.tokens, self.segments, self.pending = [], [], []
-            self.head = ""
-            self.open_cache()
+        if rewritten:
+            if not self.warned:
+                self.log("chat.py: the chat template renders the conversation so far differently "
+                         f"this turn; positions from {base} on are computed again (said once)")
+                self.warned = True
+            if self.head and base < self.segments[0][1]:
+                self.head = ""  # the document itself is computed again: /reset cannot keep it
+            self.keep_prefix(base)
         out, stats = self.answer(self.tokens + seg, min(self.max_new_tokens, room), t0)
         # commit: every token but the last is in the cache; the last is fed with the next turn
         L = self.cache.length
@@ -346,27 +350,36 @@ class Chat:
 
     # ---- commands -------------------------------------------------------------------------------
 
-    def reset(self):
-        """Forget the conversation, keep the system message and the document, and their KV: the
-        cache is cut back to them."""
-        P = self.segments[0][1] if self.head else 0
+    def keep_prefix(self, n):
+        """Cut the cache back to its first n positions, their bytes as they are, and the record of
+        how they were computed with it (n: a point where that record replays exactly)."""
         old = self.cache
         self.cache = None
         self.open_cache()
-        copy_prefix(old, self.cache, min(P, old.length))
+        copy_prefix(old, self.cache, min(n, old.length))
         old.store.close()
-        system = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
-        self.messages = system
-        self.tokens = self.tokens[:P]
-        self.segments = [[0, P, "prefill"]] if P else []
+        self.tokens = self.tokens[:n]
+        self.segments = [[a, min(b, n), kind] for a, b, kind in self.segments if a < n]
         self.pending = []
-        self.rendered = self.head
-        # the chunks wholly inside the document are the same bytes: their files stay
+        # the chunks wholly inside the prefix are the same bytes: their files stay (a later chunk
+        # is written again under its name, atomically; a crash before the manifest names it leaves
+        # a file that fails its CRC, and is recomputed)
         self.crcs = self.crcs[:self.cache.n_sealed]
         self.open_crc = None
+
+    def reset(self):
+        """Forget the conversation, keep the system message and the document, and their KV: the
+        cache is cut back to them. Returns whether its KV was kept (not when an earlier turn's
+        template rewrote it)."""
+        P = self.segments[0][1] if self.head else 0
+        self.keep_prefix(P)
+        system = self.messages[:1] if self.messages and self.messages[0]["role"] == "system" else []
+        self.messages = system
+        self.rendered = self.head
         self.turns = 0
         self.last = {}
         self.save()
+        return bool(P)
 
     def drop(self, k):
         """Forget the k oldest questions and their answers; the system message and the document
@@ -429,6 +442,22 @@ FLAG_OF = {"dtype": "--dtype", "chunk_size": "--chunk-size", "kv_dtype": "--kv-d
            "device": "--device", "select": "--select", "attention": "--attention",
            "products": "--products", "fingerprint": None}
 MANIFEST_NAME = "session.json"
+
+
+def exact_cut(segments, n, C):
+    """The last position <= n where the cache can be cut and its record (segments: [start, end,
+    "prefill" | "decode"], how each run of positions was computed) still replays to the same bits:
+    a segment's end, any point of a decode segment (a step a token), a chunk boundary inside a
+    prefill segment (its steps end at chunk boundaries)."""
+    cut = 0
+    for a, b, kind in segments:
+        if a >= n:
+            break
+        if b <= n:
+            cut = b
+        else:
+            cut = n if kind == "decode" else max(a, n // C * C)
+    return cut
 
 
 def copy_prefix(old, new, n):
@@ -522,8 +551,10 @@ def command(chat, line, progress):
         chat.save()
         chat.log(f"saved: {chat.path} (resume with --session {chat.path})")
     elif cmd == "/reset":
-        chat.reset()
-        chat.log("a new conversation; the document is kept")
+        system = chat.messages and chat.messages[0]["role"] == "system"
+        kept = chat.reset()
+        chat.log("a new conversation" + ("" if not system else "; the document is kept" if kept
+                                         else "; the document is computed with the next question"))
     elif cmd == "/drop":
         arg = line.split()[1:]
         why = chat.drop(int(arg[0]) if len(arg) == 1 and arg[0].isdigit() else 0)

@@ -351,9 +351,17 @@ def test_refusals_are_one_sentence_and_lose_nothing(chat_ckpt, tmp_path):
     assert rc == 2 and "not a session directory" in err and other.exists()
 
 
-def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, tmp_path):
+def test_a_template_that_rewrites_past_turns_keeps_what_it_did_not_change(chat_ckpt, tmp_path):
     """A template that drops earlier answers (as some drop past reasoning) does not extend the
-    conversation: said once, and the turn is computed from the start, never stitched."""
+    conversation: said once; the cache keeps the positions whose tokens did not change (the
+    document among them) back to a point where their record replays exactly, and computes the
+    rest. The answer is generate()'s over the whole conversation with those positions computed in
+    the same steps; /reset then keeps the document."""
+    from generate import generate, prefill
+    from kvcache import make_cache
+    from model import Transformer
+    from offload import OffloadConfig
+    from tokenizer import Tokenizer
     ckpt = tmp_path / "m"
     shutil.copytree(chat_ckpt, ckpt)
     (ckpt / "chat_template.jinja").write_text(
@@ -361,11 +369,33 @@ def test_a_template_that_rewrites_past_turns_is_said_and_recomputed(chat_ckpt, t
         "{{ m.content }}</s>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<s>### "
         "assistant:\n{% endif %}")
     trace = tmp_path / "t.jsonl"
-    rc, _, err = chat_in_process(session_argv(str(ckpt), tmp_path / "s", trace),
-                                 ["What is a module?", "And its name?"])
-    assert rc == 0 and err.count("does not render this conversation as an extension") == 1
+    doc = os.path.join(chat_ckpt, "doc.txt")
+    # a first question of over a chunk: the cut falls on a chunk boundary inside it
+    questions = [("What is a module? Say what a module holds and how it is named. " * 3).strip(),
+                 "And its name?"]
+    rc, _, err = chat_in_process(session_argv(str(ckpt), tmp_path / "s", trace, "--document", doc),
+                                 [*questions, "/reset"])
+    assert rc == 0 and err.count("renders the conversation so far differently") == 1, err
+    assert "a new conversation; the document is kept" in err, err
     t = turns(trace)
-    assert t[1]["context"] == t[1]["question_tokens"] + len(t[1]["tokens"]) - 1
+    P = t[0]["context"] - t[0]["question_tokens"] - len(t[0]["tokens"]) + 1  # the document's
+    cut = t[1]["context"] - t[1]["question_tokens"] - len(t[1]["tokens"]) + 1
+    assert P < cut < t[0]["context"] and cut % 32 == 0, (P, cut)
+
+    tok = Tokenizer(str(ckpt))
+    ids = torch.tensor([tok.apply_chat_template(
+        [{"role": "system", "content": DOCUMENT}, {"role": "user", "content": questions[0]},
+         {"role": "user", "content": questions[1]}])])
+    model = Transformer.from_pretrained(str(ckpt))
+    cache = make_cache(model, OffloadConfig(), 32, 1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the session's --threads: a product's bits depend on them
+    try:
+        prefill(model, cache, ids[:, :P])     # the document's steps
+        prefill(model, cache, ids[:, P:cut])  # the first turn's, as far as the cut
+        assert generate(model, cache, ids, 64, eos_ids=tok.eos_ids) == t[1]["tokens"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path):
