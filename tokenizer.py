@@ -15,6 +15,7 @@ from checkpoint import CheckpointError, check_config, check_token_ids, read_json
 # the named special tokens transformers hands to a chat template (its SPECIAL_TOKENS_ATTRIBUTES)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's name
 
 
 class Tokenizer:
@@ -73,6 +74,7 @@ class Tokenizer:
         # transformers (LlamaTokenizer) gives text after a special token no sentencepiece prefix
         # space unless legacy
         self.legacy = bool(tc.get("legacy", False))
+        self._bytes = None  # the byte-fallback ids of a tokenizer.json (is_byte), on first use
 
     def encode(self, text):
         # the file's post-processor decides about BOS (Llama 3 adds it, Qwen2 does not)
@@ -98,6 +100,15 @@ class Tokenizer:
         if self.kind == "json":
             return self.tok.decode(list(ids), skip_special_tokens=True)
         return self.tok.DecodeIds(list(ids))
+
+    def is_byte(self, i):
+        """Whether id i is a byte-fallback token (<0x41>): a run of them decodes as a whole, so a
+        stream shows it only once it ends (TextStream)."""
+        if self.kind == "spm":
+            return 0 <= i < self.tok.GetPieceSize() and self.tok.IsByte(i)
+        if self._bytes is None:
+            self._bytes = {i for t, i in self.tok.get_vocab().items() if BYTE_TOKEN.fullmatch(t)}
+        return i in self._bytes
 
     # -------------------------------------------------------------------------
     # chat
@@ -196,16 +207,22 @@ class Tokenizer:
 class TextStream:
     """The text of a growing list of token ids, shown as it grows: each update decodes every id so
     far and returns what is new. The bytes of one UTF-8 character may come in several tokens (byte
-    fallback, byte-level BPE), so a text that ends in U+FFFD waits for the next token; the last
-    update (final) gives it as it is. Shown text is never taken back: where a decode changes
-    what was already shown, nothing more is shown until it agrees again."""
+    fallback, byte-level BPE), so a text that ends in U+FFFD waits for the next token, and a run of
+    byte-fallback tokens (is_byte) waits until it ends: its decoder turns the whole run into
+    U+FFFDs when a later byte makes it invalid, characters it gave before included. The last update
+    (final) gives the text as it is. Shown text is never taken back: where a decode changes what
+    was already shown, nothing more is shown until it agrees again."""
 
-    def __init__(self, decode):
+    def __init__(self, decode, is_byte=None):
         self.decode = decode
+        self.is_byte = is_byte
         self.shown = ""
 
     def update(self, ids, final=False):
-        full = self.decode(ids)
+        n = len(ids)
+        while not final and self.is_byte and n and self.is_byte(ids[n - 1]):
+            n -= 1  # a run of byte tokens not ended yet
+        full = self.decode(ids[:n])
         if not final:
             full = full.rstrip("\ufffd")
         if not full.startswith(self.shown):

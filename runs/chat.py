@@ -305,7 +305,8 @@ class Chat:
     def answer(self, ids, max_new, t0):
         """Generate after ids (the whole conversation, the cache holding all but the turn's own
         tokens), streaming the text. Returns (the answer's ids, the turn's numbers)."""
-        text_stream = TextStream(self.tok.decode)  # a character split over tokens waits for them
+        # a character split over tokens waits for them
+        text_stream = TextStream(self.tok.decode, self.tok.is_byte)
         got = []
         clock = {"first": None, "prefill_end": None}
         h = new_digest()

@@ -535,7 +535,8 @@ def generate_main(args):
 def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     """One prompt: stream the text (or print one JSON object), then the statistics line on
     stderr."""
-    text_stream = TextStream(tokenizer.decode)  # a character split over tokens waits for them
+    # a character split over tokens waits for them
+    text_stream = TextStream(tokenizer.decode, tokenizer.is_byte)
     last = [None]  # the tokens of the latest call
 
     def stream(out, final=False):

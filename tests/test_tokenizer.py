@@ -103,6 +103,35 @@ def test_no_tokenizer_means_none(llama_ckpt):
     assert load_tokenizer(llama_ckpt) is None
 
 
+def test_text_stream_shows_a_run_of_byte_tokens_once_it_ends(tmp_path, spm_dir):
+    """Llama 2 / Mistral style tokenizer.json (byte fallback, the ByteFallback decoder): a run of
+    byte tokens that a later byte makes invalid decodes as U+FFFDs throughout, '€' included. The
+    stream shows a run only once it ends, so what it shows, joined, is the final decode
+    (transformers' text); sentencepiece's byte pieces stream as they did."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for w in ("▁the", "▁quick", "▁fox"):
+        vocab[w] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    write_json(tmp_path / "config.json", {"bos_token_id": 1, "eos_token_id": 2})
+    for path, pieces in ((tmp_path, ["▁the", "<0xE2>", "<0x82>", "<0xAC>", "<0x82>", "▁quick",
+                                     "<0xE2>", "<0x82>", "<0xAC>", "▁fox"]),
+                         (spm_dir, ["▁the", "<0xE2>", "<0x82>", "<0xAC>", "<0x82>", "▁quick"])):
+        tok = Tokenizer(str(path))
+        ids = [tok.tok.token_to_id(p) if tok.kind == "json" else tok.tok.PieceToId(p)
+               for p in pieces]
+        assert [tok.is_byte(i) for i in ids] == [p.startswith("<0x") for p in pieces]
+        stream = TextStream(tok.decode, tok.is_byte)
+        shown = "".join(stream.update(ids[:n]) for n in range(1, len(ids) + 1))
+        shown += stream.update(ids, final=True)
+        assert shown == tok.decode(ids), (path, shown, tok.decode(ids))
+        assert "€" in shown  # a valid run is its character, in both decoders
+
+
 def test_text_stream_holds_a_character_split_over_tokens():
     """Bytes as tokens (byte fallback, byte-level BPE): 'ъ' is two tokens. What is shown while the
     ids grow, joined, is the decode of them all; a character cut off at the end is shown as the
