@@ -18,6 +18,10 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token's name
 
 
+class TemplateError(ValueError):
+    """The chat template refused or failed on a conversation: one sentence, nothing changed."""
+
+
 class Tokenizer:
     def __init__(self, ckpt_dir):
         self.ckpt_dir = ckpt_dir
@@ -126,7 +130,7 @@ class Tokenizer:
         import jinja2
         problem = messages_problem(messages)
         if problem:
-            raise ValueError(problem)
+            raise TemplateError(problem)
         template = self.chat_template()
         # keys set to None are dropped, as transformers does: templates handle a missing key better
         # than "None"
@@ -137,17 +141,21 @@ class Tokenizer:
                           add_generation_prompt=add_generation_prompt,
                           **{**self.special_tokens, **template_vars})
         except jinja2.exceptions.SecurityError as e:  # past a bound of compile_template's
-            raise ValueError(f"the chat template of {self.ckpt_dir} was stopped ({one_line(e)}); "
-                             "it is not a template this project can render") from None
+            raise TemplateError(f"the chat template of {self.ckpt_dir} was stopped "
+                                f"({one_line(e)}); it is not a template this project can "
+                                "render") from None
+        except jinja2.UndefinedError as e:  # the template's own mistake, not the messages'
+            raise TemplateError(f"the chat template of {self.ckpt_dir} failed ({one_line(e)}); "
+                                "fix the template, or drop --chat") from None
         except jinja2.TemplateError as e:
             # raise_exception() in the template, e.g. "roles must alternate"
-            raise ValueError(f"the chat template of {self.ckpt_dir} rejected the messages "
-                             f"({one_line(e)}); check their roles and order (some templates take "
-                             "no system message)") from None
+            raise TemplateError(f"the chat template of {self.ckpt_dir} rejected the messages "
+                                f"({one_line(e)}); check their roles and order (some templates "
+                                "take no system message)") from None
         except Exception as e:  # the template is code from the checkpoint: any error is its own
-            raise ValueError(f"the chat template of {self.ckpt_dir} failed "
-                             f"({type(e).__name__}: {one_line(e)}); fix the template, or drop "
-                             "--chat") from None
+            raise TemplateError(f"the chat template of {self.ckpt_dir} failed "
+                                f"({type(e).__name__}: {one_line(e)}); fix the template, or drop "
+                                "--chat") from None
         return text
 
     def chat_template(self):
@@ -296,8 +304,14 @@ def read_chat_template(ckpt_dir, tc):
     {"name", "template"} whose "default" is used."""
     jinja_path = os.path.join(ckpt_dir, "chat_template.jinja")
     if os.path.exists(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            return f.read(), jinja_path
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                return f.read(), jinja_path
+        except UnicodeDecodeError:
+            why = "not UTF-8 text; save the template as UTF-8"
+        except OSError as e:  # a directory, a file this user cannot read
+            why = f"cannot be read ({e.strerror}); it must be the chat template's text"
+        raise CheckpointError(f"{jinja_path}: {why}")
     tc_path = os.path.join(ckpt_dir, "tokenizer_config.json")
     t = tc.get("chat_template")
     if isinstance(t, list):

@@ -42,7 +42,7 @@ from runs.session import (
     write_manifest,
 )
 from runs.task import PromptCache
-from tokenizer import TextStream
+from tokenizer import TemplateError, TextStream
 
 HELP = ("commands: /save (save now), /reset (forget the conversation, keep the document), "
         "/drop K (forget the K oldest turns, the rest recomputed), /stats (tiers, bytes moved, "
@@ -538,6 +538,14 @@ def command(chat, line, progress):
     except UnicodeEncodeError:  # bytes that are not UTF-8 (input() kept them as surrogates)
         chat.log("chat.py: that line is not UTF-8 text; nothing was asked, type it again")
         return False
+    try:
+        return run_command(chat, line, progress)
+    except TemplateError as e:  # the chat template refused the conversation: nothing changed
+        chat.log(f"chat.py: {e}")
+        return False
+
+
+def run_command(chat, line, progress):
     if not line.startswith("/"):
         why = chat.turn(line, progress() if progress else None)
         if why:

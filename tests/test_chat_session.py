@@ -398,6 +398,24 @@ def test_a_template_that_rewrites_past_turns_keeps_what_it_did_not_change(chat_c
         torch.set_num_threads(threads)
 
 
+def test_a_template_that_refuses_a_turn_is_one_line_and_the_session_goes_on(chat_ckpt, tmp_path):
+    """A template that raises at the second question (raise_exception) or fails on it (an
+    undefined name): the sentence, the session unchanged and still asking."""
+    for name, guard in (("raises", "{{ raise_exception('one question per conversation') }}"),
+                        ("fails", "{{ nothing.here }}")):
+        ckpt = tmp_path / name
+        shutil.copytree(chat_ckpt, ckpt)
+        (ckpt / "chat_template.jinja").write_text(
+            "{% if messages|length > 2 %}" + guard + "{% endif %}" + TEMPLATE)
+        rc, _, err = chat_in_process(session_argv(str(ckpt), tmp_path / f"s-{name}"),
+                                     ["What is a module?", "And its name?", "/stats"])
+        assert rc == 0 and "Traceback" not in err, err
+        said = {"raises": "rejected the messages (one question per conversation)",
+                "fails": "failed ('nothing' is undefined); fix the template"}[name]
+        assert f"chat.py: the chat template of {ckpt} {said}" in err, err
+        assert ", 1 turns;" in err, err  # /stats: the refused question changed nothing
+
+
 def test_a_document_stored_by_one_session_is_adopted_by_the_next(chat_ckpt, tmp_path):
     doc = os.path.join(chat_ckpt, "doc.txt")
     store = ["--kv-store", str(tmp_path / "store")]

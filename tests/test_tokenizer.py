@@ -146,3 +146,18 @@ def test_text_stream_holds_a_character_split_over_tokens():
     stream = TextStream(decode)
     parts = [stream.update(ids[:2]), stream.update(ids[:2], final=True)]
     assert parts == ["c", "\ufffd"]
+
+
+def test_a_chat_template_file_that_cannot_be_read_is_named(tmp_path):
+    """chat_template.jinja that is not UTF-8, or a directory: one sentence naming the file (a
+    traceback before)."""
+    from checkpoint import CheckpointError
+    from tokenizer import read_chat_template
+    path = tmp_path / "chat_template.jinja"
+    path.write_bytes(b"{{ messages }}\xff")
+    with pytest.raises(CheckpointError, match=f"^{path}: not UTF-8 text"):
+        read_chat_template(str(tmp_path), {})
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(CheckpointError, match=f"^{path}: cannot be read"):
+        read_chat_template(str(tmp_path), {})
