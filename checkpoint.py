@@ -39,6 +39,8 @@ def read_json(path):
                               "directory") from None
     except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, a huge number, deep nesting
         raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+    except OSError as e:  # a directory, a file this user may not read
+        raise CheckpointError(f"{path} cannot be read ({e.strerror})") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} must hold a JSON object, not {type(obj).__name__}")
     return obj
@@ -248,6 +250,11 @@ def architecture(hf_config, path):
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     model_type = hf_config.get("model_type") if isinstance(hf_config, dict) else None
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is not None and isinstance(model_type, str) and model_type != arch:
+        # transformers builds the model model_type names; the architectures list names another
+        raise CheckpointError(f"{path}: architectures names {'/'.join(archs)} but model_type is "
+                              f"{model_type!r}; make them agree (transformers builds what "
+                              "model_type says)")
     if arch is None and model_type in ARCHITECTURES.values():
         arch = model_type
     if arch is None:

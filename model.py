@@ -99,6 +99,7 @@ class ModelArgs:
                                   "Qwen2 models only")
         arch = architecture(hf_config, path)  # another architecture is named, before its fields
         check_config(hf_config, path)  # every field we read: its type and range
+        hf_config = {**FAMILY_DEFAULTS[arch], **hf_config}  # what an absent field means
         sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "vocab_size")
         for key in sizes:
@@ -117,7 +118,7 @@ class ModelArgs:
             raise CheckpointError(f"{path}: {e}") from None
         window, sliding_layers = _sliding_window(hf_config, arch, path)
         n_heads = hf_config["num_attention_heads"]
-        n_kv = hf_config.get("num_key_value_heads") or n_heads
+        n_kv = hf_config.get("num_key_value_heads") or n_heads  # null: as many as the heads
         if n_heads % n_kv:
             raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of "
                                   f"num_key_value_heads={n_kv}")
@@ -129,7 +130,7 @@ class ModelArgs:
             n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
             hidden_dim=hf_config["intermediate_size"], vocab_size=hf_config["vocab_size"],
             norm_eps=hf_config.get("rms_norm_eps", 1e-6),
-            max_seq_len=hf_config.get("max_position_embeddings", 2048),
+            max_seq_len=hf_config["max_position_embeddings"],
             rope_theta=float(theta), rope_scaling=rope,
             qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
             mlp_bias=bool(hf_config.get("mlp_bias", False)),
@@ -138,9 +139,21 @@ class ModelArgs:
         )
 
 
+# what transformers' config classes take for a field config.json leaves out (a field given as null
+# is another thing: Mistral's sliding_window null is no window, num_key_value_heads null is one kv
+# head a query head)
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
+}
+
+
 def _sliding_window(hf_config, arch, path):
     """(W, sliding layer indices or None for all) as transformers 5.x applies a config: Mistral
-    masks every layer with sliding_window (null: none) and ignores layer_types; Qwen2 slides only
+    masks every layer with sliding_window (null: none), or with layer_types (transformers then
+    reads the config as Ministral's) the layers it marks "sliding_attention"; Qwen2 slides only
     with use_sliding_window, on the layers layer_types marks "sliding_attention" or, without
     layer_types, on layers >= max_window_layers; Llama has no sliding window."""
     window = hf_config.get("sliding_window")
@@ -152,22 +165,23 @@ def _sliding_window(hf_config, arch, path):
                                   "without full attention, which a Llama model does not; use a "
                                   "Qwen2 or Mistral checkpoint for sliding windows")
         return None, None
-    sliding = None
-    if arch == "qwen2":
-        window = window if hf_config.get("use_sliding_window") else None
-        if layer_types is not None:
-            kinds = {"full_attention", "sliding_attention"}
-            if len(layer_types) != n_layers or set(layer_types) - kinds:
-                raise CheckpointError(f"{path}: layer_types must list 'full_attention' or "
-                                      f"'sliding_attention' for each of the {n_layers} layers, "
-                                      f"not {layer_types}")
-            sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-            if sliding and window is None:  # transformers raises on the first forward call
-                raise CheckpointError(f"{path}: layer_types has sliding_attention layers but "
-                                      "use_sliding_window is false or sliding_window is null; set "
-                                      "both, or mark every layer full_attention")
-        else:
-            sliding = tuple(range(hf_config.get("max_window_layers", 28), n_layers))
+    sliding = None  # every layer
+    if arch == "qwen2" and not hf_config.get("use_sliding_window"):
+        window = None
+    if layer_types is not None:
+        kinds = {"full_attention", "sliding_attention"}
+        if len(layer_types) != n_layers or set(layer_types) - kinds:
+            raise CheckpointError(f"{path}: layer_types must list 'full_attention' or "
+                                  f"'sliding_attention' for each of the {n_layers} layers, "
+                                  f"not {layer_types}")
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        if sliding and window is None and arch == "qwen2":  # transformers raises on a forward
+            raise CheckpointError(f"{path}: layer_types has sliding_attention layers but "
+                                  "use_sliding_window is false or sliding_window is null; set "
+                                  "both, or mark every layer full_attention")
+    elif arch == "qwen2":
+        sliding = tuple(range(hf_config.get("max_window_layers", 28), n_layers))
+    if sliding is not None:
         window = window if sliding else None
     if window is not None and (not isinstance(window, int) or window < 1):
         raise CheckpointError(f"{path}: field 'sliding_window' must be a positive integer or null, "
@@ -368,7 +382,11 @@ class Transformer(nn.Module):
         model.quantize = quantize  # part of what the KV depends on: belongs in a run's fingerprint
         tied = model_args.tie_embeddings
         loaded = set()
+        head = None  # a tied checkpoint's own lm_head.weight: used where it differs (below)
         for hf_name, tensor, path in iter_checkpoint(ckpt_dir):
+            if tied and hf_name == "lm_head.weight":
+                head = (tensor, path)
+                continue
             name = expected(hf_name, tuple(tensor.shape), params, model_args, path)
             if name is None:
                 continue
@@ -385,11 +403,32 @@ class Transformer(nn.Module):
                 model.output.load_weight(tensor.to(device))
             loaded.add(name)
         check_complete(params, loaded, model_args, ckpt_dir)
+        if head is not None and untie(model, *head, device, dtype):
+            tied = False
         if tied and not hasattr(model.output, "load_weight"):
             # re-tie: the tie was made on the meta device
             model.output.weight = model.tok_embeddings.weight
         model.inv_freq = rope_inv_freq(model_args).to(device)
         return join_projections(model).eval()
+
+
+def untie(model, head, path, device, dtype):
+    """tie_word_embeddings, and the file holds an lm_head.weight: a copy of the embedding is
+    dropped; one that differs is the output matrix, as transformers keeps it (untied). Returns
+    whether the model was untied."""
+    want = tuple(model.tok_embeddings.weight.shape)
+    if tuple(head.shape) != want:
+        raise CheckpointError(f"{path}: tensor 'lm_head.weight' has shape {tuple(head.shape)}, "
+                              f"config.json implies {want}")
+    head = head.to(device, dtype)
+    if torch.equal(head, model.tok_embeddings.weight):
+        return False
+    model.args = dataclasses.replace(model.args, tie_embeddings=False)
+    if hasattr(model.output, "load_weight"):
+        model.output.load_weight(head)
+    else:
+        model.output.weight = nn.Parameter(head, requires_grad=False)
+    return True
 
 
 def join_projections(model):

@@ -21,6 +21,11 @@ def rope_from_config(hf_config):
     """(theta, rope_scaling block or {}) from a transformers config dict: 5.x keeps everything in
     rope_parameters, 4.x has rope_theta plus an optional rope_scaling ("type" or "rope_type").
     ValueError for what we refuse."""
+    both = [hf_config.get(k) for k in ("rope_parameters", "rope_scaling")]
+    if all(both) and scaling_of(both[0]) != scaling_of(both[1]):
+        # transformers 5 reads rope_scaling and drops rope_parameters (its rope_theta too)
+        raise ValueError("rope_parameters and rope_scaling are both given and differ; keep one "
+                         "(transformers 5.x writes rope_parameters, 4.x rope_scaling)")
     rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     if "sliding_attention" in rope or "full_attention" in rope:
         raise ValueError("per-layer-type rope_parameters are not supported")
@@ -50,6 +55,15 @@ def rope_from_config(hf_config):
         if key not in rope:
             raise ValueError(f"rope type 'llama3' needs '{key}' (rope_scaling / rope_parameters)")
     return theta, rope
+
+
+def scaling_of(block):
+    """A rope_parameters or rope_scaling block without its theta, "type" read as "rope_type": what
+    two blocks must share to say the same."""
+    block = dict(block) if isinstance(block, dict) else {"rope_type": block}
+    block.pop("rope_theta", None)
+    block["rope_type"] = block.get("rope_type", block.pop("type", "default"))
+    return block
 
 
 def override_block(kind, factor, orig):

@@ -28,6 +28,7 @@ class Tokenizer:
         config_path = os.path.join(ckpt_dir, "config.json")
         hf_config = read_json(config_path)
         check_config(hf_config, config_path)
+        self.vocab_size = hf_config.get("vocab_size")
         gen_path = os.path.join(ckpt_dir, "generation_config.json")
         gen = read_json(gen_path) if os.path.exists(gen_path) else {}
         check_token_ids(gen, gen_path, hf_config.get("vocab_size"))
@@ -49,6 +50,7 @@ class Tokenizer:
                 raise CheckpointError(f"{json_path}: cannot be read by the tokenizers library "
                                       f"({e})") from None
             self.kind = "json"
+            self.path = json_path
         elif os.path.exists(spm_path):
             import sentencepiece as spm
             self.tok = spm.SentencePieceProcessor()
@@ -58,6 +60,7 @@ class Tokenizer:
                 raise CheckpointError(f"{spm_path}: cannot be read by sentencepiece "
                                       f"({e})") from None
             self.kind = "spm"
+            self.path = spm_path
             if self.bos_id is None:
                 self.bos_id = self.tok.bos_id() if self.tok.bos_id() >= 0 else None
             if not self.eos_ids and self.tok.eos_id() >= 0:
@@ -83,8 +86,18 @@ class Tokenizer:
     def encode(self, text):
         # the file's post-processor decides about BOS (Llama 3 adds it, Qwen2 does not)
         if self.kind == "json":
-            return self.tok.encode(text).ids
-        return ([self.bos_id] if self.add_bos else []) + self.tok.EncodeAsIds(text)
+            return self.in_vocab(self.tok.encode(text).ids)
+        return self.in_vocab(([self.bos_id] if self.add_bos else []) + self.tok.EncodeAsIds(text))
+
+    def in_vocab(self, ids):
+        """ids, each checked against config.json's vocab_size: a tokenizer that gives an id the
+        embedding does not have belongs to other weights."""
+        past = [i for i in ids if i >= (self.vocab_size or float("inf"))]
+        if past:
+            raise CheckpointError(f"{self.path} gave token id {past[0]}, past the vocab_size "
+                                  f"{self.vocab_size} of {self.ckpt_dir}/config.json: the "
+                                  "tokenizer and the weights do not belong together")
+        return ids
 
     def prompt_ids(self, task, chat=False, system=None):
         """A task's prompt ids: its chat "messages" through the template, its "prompt" through the
@@ -182,14 +195,14 @@ class Tokenizer:
         becomes its one id. continues: the text goes on from a rendering already encoded (a chat's
         next turn), so its first piece gets no sentencepiece prefix space either."""
         if self.kind == "json":  # tokenizer.json matches its added tokens itself
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.in_vocab(self.tok.encode(text, add_special_tokens=False).ids)
         # sentencepiece reads "<s>" as three characters: split on the special tokens first, as
         # transformers does
         ids_of = {t: self.tok.PieceToId(t) for t in set(self.special_tokens.values())}
         # a piece of the model only
         ids_of = {t: i for t, i in ids_of.items() if self.tok.IdToPiece(i) == t}
         if not ids_of:
-            return self.tok.EncodeAsIds(text)
+            return self.in_vocab(self.tok.EncodeAsIds(text))
         longest_first = sorted(ids_of, key=len, reverse=True)
         pattern = "(" + "|".join(re.escape(t) for t in longest_first) + ")"
         ids = []
@@ -202,7 +215,7 @@ class Tokenizer:
                     ids += self.tok.EncodeAsIds(piece)
                 else:
                     ids += self._encode_no_prefix(piece)
-        return ids
+        return self.in_vocab(ids)
 
     def _encode_no_prefix(self, text):
         # sentencepiece prepends "▁" to every call; encode after a newline and drop the newline's

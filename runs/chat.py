@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from checkpoint import CheckpointError
 from generate import generate
 from kvcache import make_cache
 from policy import default_dense
@@ -540,7 +541,8 @@ def command(chat, line, progress):
         return False
     try:
         return run_command(chat, line, progress)
-    except TemplateError as e:  # the chat template refused the conversation: nothing changed
+    except (TemplateError, CheckpointError) as e:  # the template refused the conversation, or
+        # the tokenizer gave an id the weights lack: nothing was changed
         chat.log(f"chat.py: {e}")
         return False
 

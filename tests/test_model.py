@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoint import CheckpointError
 from ckpt import edit_config
-from model import Transformer, rope_inv_freq
+from model import ModelArgs, Transformer, rope_inv_freq
 
 ATOL = 1e-4  # max abs logit difference allowed against transformers, everything in fp32
 N_NEW = 16   # greedy tokens that must agree
@@ -40,6 +40,10 @@ CASES = {
                                 rope_parameters={**LLAMA3, "rope_theta": 5e5}),
     "llama-bias": dict(attention_bias=True, mlp_bias=True),
     "llama-tied": dict(tie_word_embeddings=True),  # Llama 3.2 1B / 3B style
+    # Ministral 8B style: transformers reads a Mistral config with layer_types as Ministral's,
+    # whose full_attention layers do not slide
+    "mistral-layer-types": dict(arch="mistral", sliding_window=12,
+                                layer_types=["full_attention", "sliding_attention"]),
 }
 
 
@@ -307,7 +311,8 @@ def test_unexpected_tensor_is_refused(broken, extra):
 
 def test_tolerated_extras_load(broken, checkpoint, tmp_path):
     """Two extras real checkpoints carry are ignored, as transformers ignores them: the old
-    rotary_emb.inv_freq buffer, and a copy of the embedding as lm_head.weight in a tied model."""
+    rotary_emb.inv_freq buffer, and a copy of the embedding as lm_head.weight in a tied model. An
+    lm_head.weight that is not a copy is the output matrix, untied, as transformers reads it."""
     resave(broken, put={"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
     ref = Transformer.from_pretrained(checkpoint())
     tokens = random_tokens(128)
@@ -315,10 +320,18 @@ def test_tolerated_extras_load(broken, checkpoint, tmp_path):
         assert torch.equal(Transformer.from_pretrained(broken)(tokens), ref(tokens))
     tied = str(shutil.copytree(checkpoint(**CASES["qwen2-tied-bias"]), tmp_path / "tied"))
     embedding = load_file(os.path.join(tied, "model.safetensors"))["model.embed_tokens.weight"]
-    resave(tied, put={"lm_head.weight": torch.zeros_like(embedding)})
+    resave(tied, put={"lm_head.weight": embedding.clone()})
     model = Transformer.from_pretrained(tied)
     assert model.output.weight is model.tok_embeddings.weight
     assert model.output.weight.abs().sum() > 0
+    other = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(0))
+    resave(tied, put={"lm_head.weight": other})
+    model = Transformer.from_pretrained(tied)
+    assert not model.args.tie_embeddings and torch.equal(model.output.weight, other)
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(tied, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(model(tokens), ref(tokens).logits, atol=1e-4)
 
 
 def test_wrongly_shaped_tensor_is_refused(broken):
@@ -351,3 +364,45 @@ def test_pickle_only_checkpoint_is_refused(broken):
     with open(os.path.join(broken, "pytorch_model.bin"), "wb") as f:
         f.write(b"PK\x03\x04 not loaded: we never unpickle")
     refused(broken, "model.safetensors")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_an_absent_field_means_what_transformers_takes_it_to_mean(arch):
+    """Fields config.json leaves out take each family's default in transformers' config classes
+    (Mistral: a window of 4096, 8 kv heads, 131,072 positions; Qwen2: 32,768 positions), not one
+    default for all."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    ref = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}[arch]()
+    hf = {"architectures": [type(ref).__name__.replace("Config", "ForCausalLM")],
+          "model_type": arch, "hidden_size": 512, "num_hidden_layers": 2,
+          "num_attention_heads": 32, "intermediate_size": 64, "vocab_size": 128}
+    args = ModelArgs.from_config(hf)
+    assert args.max_seq_len == ref.max_position_embeddings
+    assert args.n_kv_heads == (ref.num_key_value_heads or 32)
+    window = getattr(ref, "sliding_window", None)  # Qwen2's is None without use_sliding_window
+    assert args.sliding_window == window
+
+
+def test_disagreeing_config_fields_are_refused(tmp_path):
+    """What transformers would read another way than the fields say is refused in one sentence:
+    architectures against model_type, rope_parameters against rope_scaling."""
+    hf = {"architectures": ["MistralForCausalLM"], "model_type": "llama", "hidden_size": 64,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "intermediate_size": 64, "vocab_size": 128}
+    with pytest.raises(CheckpointError, match="architectures names MistralForCausalLM but "
+                                              "model_type is 'llama'"):
+        ModelArgs.from_config(hf)
+    hf.update(model_type="mistral", rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+              rope_scaling={"type": "linear", "factor": 4.0})
+    with pytest.raises(CheckpointError, match="rope_parameters and rope_scaling are both given "
+                                              "and differ"):
+        ModelArgs.from_config(hf)
+    hf["rope_scaling"] = {"type": "default"}  # the same block, as some configs carry both
+    assert ModelArgs.from_config(hf).rope_theta == 1e6
+
+
+def test_a_config_that_cannot_be_read_is_named(tmp_path):
+    from checkpoint import read_json
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"config.json cannot be read \(Is a directory\)"):
+        read_json(str(tmp_path / "config.json"))

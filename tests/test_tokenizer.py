@@ -161,3 +161,22 @@ def test_a_chat_template_file_that_cannot_be_read_is_named(tmp_path):
     path.mkdir()
     with pytest.raises(CheckpointError, match=f"^{path}: cannot be read"):
         read_chat_template(str(tmp_path), {})
+
+
+def test_an_id_past_the_vocab_size_is_named(tmp_path):
+    """A tokenizer that gives an id config.json's vocab_size lacks (the weights of another model):
+    one sentence naming both files, before the embedding is indexed."""
+    from checkpoint import CheckpointError
+    path = build_tokenizer_json(tmp_path / "ckpt", bos=False)
+    write_json(path / "config.json", {"bos_token_id": 0, "eos_token_id": 1, "vocab_size": 280})
+    tok = Tokenizer(str(path))
+    ids = Tokenizer.__new__(Tokenizer)  # the same file, unchecked: which ids TEXT gives
+    ids.__dict__.update(tok.__dict__, vocab_size=None)
+    past = [i for i in ids.encode(TEXT) if i >= 280]
+    assert past  # the text does reach past 280
+    with pytest.raises(CheckpointError, match=f"tokenizer.json gave token id {past[0]}, past the "
+                                              "vocab_size 280 of"):
+        tok.encode(TEXT)
+    with pytest.raises(CheckpointError, match="do not belong together"):
+        tok.encode_rendered(TEXT)
+    assert tok.encode("x")  # ids within the vocab pass (a byte: below 258)
