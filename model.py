@@ -105,7 +105,7 @@ class ModelArgs:
         for key in sizes:
             if not isinstance(hf_config.get(key), int) or hf_config[key] <= 0:
                 raise CheckpointError(f"{path}: field '{key}' is missing or not a positive integer")
-        if hf_config.get("hidden_act", "silu") != "silu":
+        if hf_config.get("hidden_act", "silu") not in ("silu", "swish"):  # the same function
             refuse(f"hidden_act={hf_config['hidden_act']!r} is not 'silu'")
         for key in ("num_local_experts", "num_experts", "n_routed_experts"):
             if hf_config.get(key):
@@ -123,7 +123,9 @@ class ModelArgs:
             raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of "
                                   f"num_key_value_heads={n_kv}")
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
-        attention_bias = bool(hf_config.get("attention_bias", False))
+        # only Llama's config classes read attention_bias and mlp_bias (Mistral and Qwen2 ignore
+        # them: Qwen2 has q, k, v biases always)
+        attention_bias = arch == "llama" and bool(hf_config.get("attention_bias", False))
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         return cls(
             arch=arch, dim=hf_config["hidden_size"], n_layers=hf_config["num_hidden_layers"],
@@ -133,7 +135,7 @@ class ModelArgs:
             max_seq_len=hf_config["max_position_embeddings"],
             rope_theta=float(theta), rope_scaling=rope,
             qkv_bias=arch == "qwen2" or attention_bias, o_bias=arch != "qwen2" and attention_bias,
-            mlp_bias=bool(hf_config.get("mlp_bias", False)),
+            mlp_bias=arch == "llama" and bool(hf_config.get("mlp_bias", False)),
             tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             sliding_window=window, sliding_layers=sliding_layers, torch_dtype=str(dtype),
         )
