@@ -582,7 +582,7 @@ def check(args):
     args.chunk_grid = sizes  # cut at the context once the model's is known (main)
     if args.prompt_file:
         try:
-            with open(args.prompt_file, encoding="utf-8") as f:
+            with open(args.prompt_file, encoding="utf-8-sig", newline="") as f:
                 f.read(1)
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None

@@ -316,7 +316,8 @@ def system_text(args):
         raise UsageError("--system holds bytes that are not UTF-8 text; give it in UTF-8") from None
     if args.document:
         try:
-            with open(args.document, encoding="utf-8-sig") as f:  # a BOM is no text
+            # a BOM is no text; CRLF stays as the file has it (the tokenizer reads "\r")
+            with open(args.document, encoding="utf-8-sig", newline="") as f:
                 parts.append(f.read())
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--document {args.document}: cannot be read ({e})") from None

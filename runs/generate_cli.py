@@ -231,7 +231,8 @@ def resolve(args):
     check_ckpt_dir(args.ckpt)
     if args.prompt_file:  # read before check_common makes the offload dir: nothing to undo
         try:
-            with open(args.prompt_file, encoding="utf-8-sig") as f:  # a BOM is no text
+            # a BOM is no text; CRLF stays as the file has it (the tokenizer reads "\r")
+            with open(args.prompt_file, encoding="utf-8-sig", newline="") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"--prompt-file {args.prompt_file}: cannot be read ({e})") from None

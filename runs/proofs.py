@@ -267,8 +267,9 @@ def run(args):
             raise UsageError(f"--ckpt {args.ckpt}: has no tokenizer, so the prompt "
                              "cannot be encoded")
         try:
-            if args.prompt_file:
-                text = open(args.prompt_file, encoding="utf-8").read()
+            if args.prompt_file:  # as generate.py reads it: no BOM, CRLF kept
+                with open(args.prompt_file, encoding="utf-8-sig", newline="") as f:
+                    text = f.read()
             else:
                 text = verify.DEFAULT_PROMPT
         except (OSError, UnicodeDecodeError) as e:

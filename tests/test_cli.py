@@ -87,6 +87,19 @@ def test_generate_max_length_caps_prompt_plus_new(text_ckpt):
     assert r["tokens"] == free[:ends[0] if ends else len(free)]
 
 
+def test_a_prompt_file_is_read_as_it_is(text_ckpt, tmp_path, capsys):
+    """--prompt-file's bytes are the prompt: a BOM is no text, but CRLF line ends stay "\r\n"
+    (text mode turned them into "\n", a prompt the tokenizer encodes differently)."""
+    f = tmp_path / "crlf.txt"
+    f.write_bytes(b"\xef\xbb\xbf" + (PROMPT + "\r\n").encode() * 2)
+    rc, out, err = main_in_process(["--ckpt", text_ckpt, "--prompt-file", f, "--max-new-tokens",
+                                    1, "--offload", "none", "--json"], capsys)
+    assert rc == 0, err
+    ids = load_tokenizer(text_ckpt).encode((PROMPT + "\r\n") * 2)
+    assert json.loads(out)["prompt_ids"] == ids
+    assert ids != load_tokenizer(text_ckpt).encode((PROMPT + "\n") * 2)
+
+
 def test_generate_streams_text(text_ckpt):
     """stdout is the generated text alone; --echo prints the prompt before it."""
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
