@@ -74,8 +74,18 @@ class Tokenizer:
         tc = read_json(tc_path) if os.path.exists(tc_path) else {}
         add_bos = tc.get("add_bos_token", True)
         self.add_bos = self.kind == "spm" and add_bos and self.bos_id is not None
-        self.special_tokens = special_tokens(tc, self.tok if self.kind == "spm" else None)
+        # special_tokens_map.json names what tokenizer_config.json leaves out (older checkpoints)
+        map_path = os.path.join(ckpt_dir, "special_tokens_map.json")
+        named = {**(read_json(map_path) if os.path.exists(map_path) else {}), **tc}
+        self.special_tokens = special_tokens(named, self.tok if self.kind == "spm" else None)
         self.tokenizer_config = tc
+        # a sentencepiece model's added tokens (ChatML markers on a Mistral fine-tune): text -> id,
+        # matched in the text as transformers matches them; and the ids decode skips, as
+        # transformers' skip_special_tokens does: every named special token and added special one
+        self.added, special = {}, set()
+        if self.kind == "spm":
+            self.added, special = added_tokens(ckpt_dir, named, self.tok)
+        self.skip_ids = special | {self.id_of(t) for t in self.special_tokens.values()} - {None}
         # compiled on first use: a checkpoint whose template is broken still generates text
         self._template = None
         # transformers (LlamaTokenizer) gives text after a special token no sentencepiece prefix
@@ -87,7 +97,17 @@ class Tokenizer:
         # the file's post-processor decides about BOS (Llama 3 adds it, Qwen2 does not)
         if self.kind == "json":
             return self.in_vocab(self.tok.encode(text).ids)
-        return self.in_vocab(([self.bos_id] if self.add_bos else []) + self.tok.EncodeAsIds(text))
+        # special tokens typed in the text are their ids, as transformers and tokenizer.json have it
+        return ([self.bos_id] if self.add_bos else []) + self.encode_rendered(text)
+
+    def id_of(self, text):
+        """The id of a token's text, or None."""
+        if self.kind == "json":
+            return self.tok.token_to_id(text)
+        if text in self.added:
+            return self.added[text]
+        i = self.tok.PieceToId(text)
+        return i if self.tok.IdToPiece(i) == text else None
 
     def in_vocab(self, ids):
         """ids, each checked against config.json's vocab_size: a tokenizer that gives an id the
@@ -114,9 +134,22 @@ class Tokenizer:
         return self.encode(task["prompt"])
 
     def decode(self, ids):
+        ids = [i for i in ids if i not in self.skip_ids]
         if self.kind == "json":
-            return self.tok.decode(list(ids), skip_special_tokens=True)
-        return self.tok.DecodeIds(list(ids))
+            return self.tok.decode(ids, skip_special_tokens=True)
+        # runs of the model's pieces, between added tokens (their text as it is); an id past both
+        # is dropped, as the tokenizers library drops it
+        text = {i: t for t, i in self.added.items()}
+        parts, run = [], []
+        for i in ids + [None]:
+            if i is not None and 0 <= i < self.tok.GetPieceSize() and i not in text:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self.tok.DecodeIds(run))
+                run = []
+            parts.append(text.get(i, ""))
+        return "".join(parts)
 
     def is_byte(self, i):
         """Whether id i is a byte-fallback token (<0x41>): a run of them decodes as a whole, so a
@@ -196,11 +229,10 @@ class Tokenizer:
         next turn), so its first piece gets no sentencepiece prefix space either."""
         if self.kind == "json":  # tokenizer.json matches its added tokens itself
             return self.in_vocab(self.tok.encode(text, add_special_tokens=False).ids)
-        # sentencepiece reads "<s>" as three characters: split on the special tokens first, as
-        # transformers does
-        ids_of = {t: self.tok.PieceToId(t) for t in set(self.special_tokens.values())}
-        # a piece of the model only
-        ids_of = {t: i for t, i in ids_of.items() if self.tok.IdToPiece(i) == t}
+        # sentencepiece reads "<s>" as three characters: split on the special and added tokens
+        # first, as transformers does
+        ids_of = {t: self.id_of(t) for t in set(self.special_tokens.values()) | set(self.added)}
+        ids_of = {t: i for t, i in ids_of.items() if i is not None}
         if not ids_of:
             return self.in_vocab(self.tok.EncodeAsIds(text))
         longest_first = sorted(ids_of, key=len, reverse=True)
@@ -309,6 +341,37 @@ def special_tokens(tc, sp=None):
             if out.get(name) is None and i >= 0:
                 out[name] = sp.IdToPiece(i)
     return {k: v for k, v in out.items() if isinstance(v, str)}
+
+
+def added_tokens(ckpt_dir, tc, sp):
+    """A sentencepiece checkpoint's added tokens, as transformers reads them: ({text: id}, the ids
+    of the special ones), from tokenizer_config.json's added_tokens_decoder, added_tokens.json and
+    additional_special_tokens (pieces of the model, or added)."""
+    added, special = {}, set()
+    for i, d in (tc.get("added_tokens_decoder") or {}).items():
+        if isinstance(d, dict) and isinstance(d.get("content"), str) and str(i).isdigit():
+            added[d["content"]] = int(i)
+            if d.get("special"):
+                special.add(int(i))
+    path = os.path.join(ckpt_dir, "added_tokens.json")
+    for t, i in (read_json(path) if os.path.exists(path) else {}).items():
+        if isinstance(i, int) and i >= 0:
+            added.setdefault(t, i)
+    # their text is matched whether or not the model has a piece of it
+    added = {t: i for t, i in added.items() if i >= sp.GetPieceSize()
+             or sp.IdToPiece(i) != t}
+    extra = tc.get("additional_special_tokens")
+    for t in extra if isinstance(extra, list) else []:
+        t = t.get("content") if isinstance(t, dict) else t
+        i = added.get(t)
+        if i is None and isinstance(t, str):
+            i = sp.PieceToId(t)
+            i = i if sp.IdToPiece(i) == t else None
+            if i is not None:
+                added[t] = i
+        if i is not None:
+            special.add(i)
+    return added, special
 
 
 def read_chat_template(ckpt_dir, tc):

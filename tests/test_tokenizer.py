@@ -180,3 +180,50 @@ def test_an_id_past_the_vocab_size_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="do not belong together"):
         tok.encode_rendered(TEXT)
     assert tok.encode("x")  # ids within the vocab pass (a byte: below 258)
+
+
+def test_sentencepiece_added_tokens_are_matched_and_skipped(spm_dir, tmp_path):
+    """A Mistral-style fine-tune that adds ChatML markers past the sentencepiece model's pieces
+    (tokenizer_config.json's added_tokens_decoder, added_tokens.json) and names [INST] among
+    additional_special_tokens: each marker in the text is its one id, as transformers gives it; a
+    special one is skipped by decode; an id past every token is dropped, not a traceback."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=str(spm_dir / "tokenizer.model"))
+    path = tmp_path / "ckpt"
+    os.makedirs(path)
+    os.symlink(spm_dir / "tokenizer.model", path / "tokenizer.model")
+    write_json(path / "config.json", {"bos_token_id": 1, "eos_token_id": 300, "vocab_size": 310})
+    write_json(path / "tokenizer_config.json", {
+        "added_tokens_decoder": {"300": {"content": "<|im_end|>", "special": True},
+                                 "301": {"content": "<|im_start|>", "special": True}},
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    write_json(path / "added_tokens.json", {"<think>": 302})
+    tok = Tokenizer(str(path))
+    ids = tok.encode("<|im_start|>user\nthe fox<|im_end|><think>the dog")
+    assert ids[:2] == [1, 301] and 300 in ids and 302 in ids and len(ids) < 30, ids
+    i = ids.index(300)
+    assert ids[2:i] == tok._encode_no_prefix("user\nthe fox")  # after a marker: no prefix space
+    assert tok.decode(ids) == "user\nthe fox<think>the dog"
+    assert tok.decode(sp.encode("the fox") + [300, 305]) == "the fox"  # 305: no token at all
+    assert tok.encode("the </s> fox")[1:].count(2) == 1  # EOS typed in a prompt is its id
+
+
+def test_named_special_tokens_from_either_file_are_special(tmp_path):
+    """A tokenizer.json whose <|im_end|> is an added token not flagged special, named eos_token by
+    tokenizer_config.json: decode skips it, as transformers does (all_special_ids); a bos_token
+    named only in special_tokens_map.json reaches the template."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    path = build_tokenizer_json(tmp_path / "ckpt", bos=False)
+    hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
+    hf.add_tokens([AddedToken("<|im_end|>", special=False)])
+    hf.save(str(path / "tokenizer.json"))
+    end = hf.token_to_id("<|im_end|>")
+    write_json(path / "tokenizer_config.json", {"eos_token": "<|im_end|>",
+                                                "chat_template": "{{ bos_token }}{{ messages[0]"
+                                                                 "['content'] }}"})
+    write_json(path / "special_tokens_map.json", {"bos_token": "<|begin|>"})
+    tok = Tokenizer(str(path))
+    assert tok.decode(tok.encode("the fox") + [end]) == "the fox"
+    assert hf.decode(tok.encode("the fox") + [end], skip_special_tokens=True) != "the fox"
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<|begin|>hi"
