@@ -74,6 +74,9 @@ class Tokenizer:
         tc = read_json(tc_path) if os.path.exists(tc_path) else {}
         add_bos = tc.get("add_bos_token", True)
         self.add_bos = self.kind == "spm" and add_bos and self.bos_id is not None
+        # and append EOS where it says so (transformers' LlamaTokenizer)
+        self.add_eos = (self.kind == "spm" and bool(tc.get("add_eos_token", False))
+                        and self.tok.eos_id() >= 0)
         # special_tokens_map.json names what tokenizer_config.json leaves out (older checkpoints)
         map_path = os.path.join(ckpt_dir, "special_tokens_map.json")
         named = {**(read_json(map_path) if os.path.exists(map_path) else {}), **tc}
@@ -98,7 +101,8 @@ class Tokenizer:
         if self.kind == "json":
             return self.in_vocab(self.tok.encode(text).ids)
         # special tokens typed in the text are their ids, as transformers and tokenizer.json have it
-        return ([self.bos_id] if self.add_bos else []) + self.encode_rendered(text)
+        ids = ([self.bos_id] if self.add_bos else []) + self.encode_rendered(text)
+        return ids + ([self.tok.eos_id()] if self.add_eos else [])
 
     def id_of(self, text):
         """The id of a token's text, or None."""

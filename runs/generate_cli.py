@@ -269,6 +269,9 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
     via warn."""
     limit = model_args.max_context
     if n_prompt == 0:
+        if getattr(args, "chat", False):
+            raise UsageError("the chat template rendered nothing for this prompt; check the "
+                             "checkpoint's template, or drop --chat")
         raise UsageError("the prompt is empty; give --prompt or --prompt-file with some text")
     cap = args.max_length if args.max_length is not None else limit
     if cap > limit:

@@ -100,6 +100,13 @@ def test_a_prompt_file_is_read_as_it_is(text_ckpt, tmp_path, capsys):
     assert ids != load_tokenizer(text_ckpt).encode((PROMPT + "\n") * 2)
 
 
+def test_a_chat_template_that_renders_nothing_is_named(text_ckpt, tmp_path, capsys):
+    ckpt = shutil.copytree(text_ckpt, tmp_path / "ckpt")
+    (ckpt / "chat_template.jinja").write_text("{% if false %}{{ messages }}{% endif %}")
+    rc, _, err = main_in_process(["--ckpt", ckpt, "--prompt", "hi", "--chat"], capsys)
+    assert rc == 2 and "the chat template rendered nothing for this prompt" in err, err
+
+
 def test_generate_streams_text(text_ckpt):
     """stdout is the generated text alone; --echo prints the prompt before it."""
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,

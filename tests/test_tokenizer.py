@@ -64,6 +64,9 @@ def test_sentencepiece_eos_from_generation_config(spm_dir, tmp_path):
     write_json(path / "tokenizer_config.json", {"add_bos_token": False})
     tok = load_tokenizer(str(path))
     assert tok.encode(TEXT)[0] != 1 and tok.decode(tok.encode(TEXT)) == TEXT
+    write_json(path / "tokenizer_config.json", {"add_eos_token": True})  # as LlamaTokenizer does
+    ids = load_tokenizer(str(path)).encode(TEXT)
+    assert ids[0] == 1 and ids[-1] == 2 and ids.count(2) == 1
 
 
 def build_tokenizer_json(path, bos):
