@@ -110,6 +110,13 @@ class ModelArgs:
         for key in ("num_local_experts", "num_experts", "n_routed_experts"):
             if hf_config.get(key):
                 refuse(f"{key}={hf_config[key]} means a mixture of experts")
+        quant = hf_config.get("quantization_config")
+        if quant:  # FP8, GPTQ, AWQ, bitsandbytes: weights this project does not compute with
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise CheckpointError(f"{path}: quantization_config ({method}) marks pre-quantized "
+                                  "weights, which this project does not load; use the model's "
+                                  "full-precision checkpoint (--quantize int8 or int4 quantizes "
+                                  "it as it loads)")
         if hf_config.get("partial_rotary_factor", 1.0) != 1.0:
             refuse(f"partial_rotary_factor={hf_config['partial_rotary_factor']} is not 1.0")
         try:

@@ -385,7 +385,8 @@ def test_an_absent_field_means_what_transformers_takes_it_to_mean(arch):
 
 def test_disagreeing_config_fields_are_refused(tmp_path):
     """What transformers would read another way than the fields say is refused in one sentence:
-    architectures against model_type, rope_parameters against rope_scaling."""
+    architectures against model_type, rope_parameters against rope_scaling; and pre-quantized
+    weights (quantization_config), which only looked unexpected tensor by tensor."""
     hf = {"architectures": ["MistralForCausalLM"], "model_type": "llama", "hidden_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 64, "vocab_size": 128}
@@ -399,6 +400,9 @@ def test_disagreeing_config_fields_are_refused(tmp_path):
         ModelArgs.from_config(hf)
     hf["rope_scaling"] = {"type": "default"}  # the same block, as some configs carry both
     assert ModelArgs.from_config(hf).rope_theta == 1e6
+    hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(CheckpointError, match=r"quantization_config \(fp8\) marks pre-quantized"):
+        ModelArgs.from_config(hf)
 
 
 def test_a_config_that_cannot_be_read_is_named(tmp_path):
