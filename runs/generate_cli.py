@@ -279,7 +279,8 @@ def plan_lengths(args, n_prompt, model_args, max_new_tokens=None, warn=None):
                          f"{limit} positions")
     # past the trained context: say how to go on, on purpose
     if n_prompt >= limit and args.max_length is None:
-        raise UsageError(context_refusal(n_prompt + 1, model_args))
+        asked = max_new_tokens or args.max_new_tokens or 1
+        raise UsageError(context_refusal(n_prompt + asked, model_args))
     if n_prompt >= cap:
         raise UsageError(f"the prompt has {n_prompt} tokens, at or past the maximum length "
                          f"{cap}; shorten it")
