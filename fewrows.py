@@ -209,11 +209,7 @@ def compile_traced(fn, example):
     """fn traced on `example` (a list of tensors) with every size symbolic, sizes that happen to
     match kept apart, and compiled by inductor; its cache (its C++ and the graphs, reused by later
     runs) in $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/kvoffload/inductor, mode 700."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        from private import make_private_dir
-        path = os.path.join(os.path.expanduser("~"), ".cache", "kvoffload", "inductor")
-        make_private_dir(path, "the compiled kernels' cache")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    private_kernel_cache()
     import torch._inductor.config as inductor_config
     import torch.fx.experimental._config as fx_config
     from torch._inductor.compile_fx import compile_fx
@@ -223,6 +219,26 @@ def compile_traced(fn, example):
             gm = make_fx(fn, tracing_mode="symbolic")(*example)
         with inductor_config.patch(fused_multiply_add()):
             return compile_fx(gm, [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"])
+
+
+def private_kernel_cache():
+    """The compiled kernels' cache in ~/.cache/kvoffload/inductor (mode 700), unless the user named
+    one. Not torch's default, $TMPDIR/torchinductor_$USER: a shared directory whose name another
+    user can guess and make first, then swap the .so files this process loads. Torch writes its
+    default into $TORCHINDUCTOR_CACHE_DIR when anything asks for the cache (building a model
+    does), so a value equal to that default is torch's, not the user's."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        torch_default = os.path.abspath(default_cache_dir())
+    except ImportError:  # an older torch: it sets the variable only when it compiles
+        torch_default = None
+    if given is not None and os.path.abspath(given) != torch_default:
+        return
+    from private import make_private_dir
+    path = os.path.join(os.path.expanduser("~"), ".cache", "kvoffload", "inductor")
+    make_private_dir(path, "the compiled kernels' cache")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
 
 
 def fused_multiply_add():

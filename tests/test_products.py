@@ -4,6 +4,8 @@ The products a decode step makes (rowwise.Linear, rowwise.Joint) and the merge o
 bit-for-bit promises they carry (the same bits whatever the thread count, however a stack of
 partials arrives).
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -335,3 +337,19 @@ def test_compiled_few_row_products_are_the_product_and_give_each_row_its_lone_bi
     assert fewrows.product_kernel(x, lin.weight.t().contiguous().t()) is None  # not dense
     monkeypatch.setattr(fewrows, "PRODUCTS", "library")
     assert fewrows.product_kernel(x, lin.weight, lin.bias) is None
+
+
+def test_compiled_kernels_go_to_a_private_cache_not_torchs_shared_default(monkeypatch, tmp_path):
+    """Torch writes its default, $TMPDIR/torchinductor_$USER (a name another user can make first),
+    into $TORCHINDUCTOR_CACHE_DIR as soon as anything asks for the cache: that value is replaced by
+    ~/.cache/kvoffload/inductor, mode 700; a directory the user names is kept."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # as torch sets it
+    fewrows.private_kernel_cache()
+    private = tmp_path / ".cache" / "kvoffload" / "inductor"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(private)
+    assert private.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    fewrows.private_kernel_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
