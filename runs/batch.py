@@ -36,6 +36,11 @@ TASK_FIELDS = {"id": (str, int), "prompt": (str,), "max_new_tokens": (int,),
                "temperature": (int, float), "seed": (int,)}
 
 
+class OutputError(Exception):
+    """The results file cannot take a result: the task failed, its disk tier kept (not an OSError,
+    which with_fallbacks would take for the disk tier's own failure)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C reached a batch: each task in flight stops at its next step, keeping its directory
     (for resume) as any failed task does."""
@@ -210,6 +215,14 @@ class Results:
                 os.ftruncate(self.fd, keep)
                 log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
                 data = data[:keep]
+        self.seen = len(data)  # the bytes read: what other processes append is read on
+        ignored = self.read_ids(data)
+        if ignored:
+            log(f"{path}: {ignored} lines that are not results were ignored")
+
+    def read_ids(self, data):
+        """The ids of the result lines in data join self.done; returns how many lines were not
+        results."""
         ignored = 0
         for line in data.splitlines():
             try:
@@ -219,8 +232,19 @@ class Results:
                 self.done.add(str(r["id"]))
             except (ValueError, KeyError, TypeError):
                 ignored += 1
-        if ignored:
-            log(f"{path}: {ignored} lines that are not results were ignored")
+        return ignored
+
+    def refresh(self):
+        """Under the lock: the results other processes appended since this one last read."""
+        end = os.fstat(self.fd).st_size
+        if end > self.seen:
+            self.read_ids(os.pread(self.fd, end - self.seen, self.seen))
+            self.seen = end
+
+    def has(self, task_id):
+        with self.locked():
+            self.refresh()
+            return str(task_id) in self.done
 
     @contextmanager
     def locked(self):
@@ -233,13 +257,33 @@ class Results:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def append(self, result):
+        """One result line, whole and synced, or none (a line another process appended for the
+        same task is kept instead). OutputError naming the file when it cannot be written."""
         line = (json.dumps(result, ensure_ascii=False) + "\n").encode()
         with self.locked():  # whole lines, never interleaved with another writer's
-            view = memoryview(line)
-            while view:
-                n = os.write(self.fd, view)
-                view = view[n:]
-            os.fsync(self.fd)
+            self.refresh()
+            if str(result["id"]) in self.done:
+                return
+            start = self.seen
+            try:
+                self.write(line)
+            except OSError as e:  # a full disk: no part of the line stays
+                try:
+                    os.ftruncate(self.fd, start)
+                except OSError:
+                    pass  # a torn last line is dropped by the next run (__init__)
+                raise OutputError(f"--output {self.path}: cannot append the result "
+                                  f"({e.strerror}); free space there and run the same command "
+                                  "again") from None
+            self.seen = start + len(line)
+            self.done.add(str(result["id"]))
+
+    def write(self, line):
+        view = memoryview(line)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        os.fsync(self.fd)
 
     def close(self):
         os.close(self.fd)
@@ -281,9 +325,13 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
 
     def one(task):
         try:
-            result = with_fallbacks(task, args, cfg, run_one, log)
-            if layout.is_leader:
-                results.append(result)
+            if layout.tp == 1 and results.has(task["id"]):  # a second process on this --output
+                log(f"task {task['id']}: already in {args.output} (another process ran it); "
+                    "skipped")
+                return
+            # the result is in the file before the task's disk tier goes (run_task's deliver)
+            deliver = results.append if layout.is_leader else None
+            result = with_fallbacks(task, args, cfg, run_one, log, deliver)
             stats = {**result["stats"], "prompt_tokens": result["prompt_tokens"]}
             monitor.task_finished(task["id"], stats)
         except Exception as e:
@@ -327,12 +375,12 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
     return 1 if monitor.totals["failed"] else 0
 
 
-def with_fallbacks(task, args, cfg, run_one, log):
+def with_fallbacks(task, args, cfg, run_one, log, deliver=None):
     """Run a task; if its disk tier cannot be written, retry it on the host tier or on a shorter
     context. Every tier gives bit-identical output, so the host fallback changes nothing but where
-    the bytes live."""
+    the bytes live. deliver(result): as run_task's."""
     try:
-        return run_one(task, cfg)
+        return run_one(task, cfg, deliver=deliver)
     except (DiskError, OSError) as e:
         if cfg.mode != "disk" or e.errno not in DISK_FULL:
             raise
@@ -346,7 +394,7 @@ def with_fallbacks(task, args, cfg, run_one, log):
         host_cfg = dataclasses.replace(cfg, mode="cpu", compress="none",
                                        cpu_budget_gib=args.fallback_cpu_budget)
         try:
-            result = run_one(task, host_cfg)
+            result = run_one(task, host_cfg, deliver=deliver)
             discard_task_dir(cfg.offload_dir, task["id"])
             return result
         except OffloadError as e:
@@ -355,7 +403,7 @@ def with_fallbacks(task, args, cfg, run_one, log):
         log(f"task {task['id']}: the disk tier failed ({cause}); continuing on the last "
             f"{args.fallback_context} tokens of the context, on the device")
         device_cfg = dataclasses.replace(cfg, mode="none", compress="none")
-        result = run_one(task, device_cfg, context=args.fallback_context)
+        result = run_one(task, device_cfg, context=args.fallback_context, deliver=deliver)
         discard_task_dir(cfg.offload_dir, task["id"])
         return result
     raise OffloadError(f"cannot write the disk tier ({cause}); free space there, or allow a "

@@ -10,6 +10,7 @@ Without --ckpt it runs a short demo on the small model shipped in assets/ (disk 
 smaller than the context). A bad flag is one line on stderr and exit code 2.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
 from runs import interrupt, launch, speculation
-from runs.batch import Interrupted, holds_lines, run_batch
+from runs.batch import Interrupted, OutputError, holds_lines, run_batch
 from runs.batcher import Batcher
 from runs.cores import CoreWatch
 from runs.flags import (
@@ -469,7 +470,8 @@ def generate_main(args):
         launch.refuse(f"generate.py: error: {e}", layout)
         return 2
 
-    def run_one(task, cfg, context=None, on_token=None, progress=None):
+    def run_one(task, cfg, context=None, on_token=None, progress=None, deliver=None):
+        """The task's result; deliver(result) first, before its disk tier goes (run_task)."""
         ids = tokenizer.prompt_ids(task, args.chat, args.system)
         ids = ids[-context:] if context else ids
 
@@ -484,11 +486,21 @@ def generate_main(args):
                             task.get("seed", args.seed))
         monitor.task_started(task["id"], len(ids))
         args.started.add(task["id"])
-        new, stats = run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg,
-                              sampling=sampling, eos_ids=tokenizer.eos_ids, task_id=task["id"],
-                              on_token=on_token, on_step=on_step, fingerprint=fingerprint,
-                              log=monitor.log, kv_store=kv_store, kv_dtype=args.kv_dtype,
-                              layout=layout, batcher=batcher, speculation=guesser)
+        made = []
+
+        def finished(new, stats):
+            made.append(result_of(task, ids, new, stats, cfg, context))
+            if deliver is not None:
+                deliver(made[0])
+
+        run_task(model, ids, max_new, chunk_size=args.chunk_size, cfg=cfg, sampling=sampling,
+                 eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
+                 on_step=on_step, fingerprint=fingerprint, log=monitor.log, kv_store=kv_store,
+                 kv_dtype=args.kv_dtype, layout=layout, batcher=batcher, speculation=guesser,
+                 deliver=finished)
+        return made[0]
+
+    def result_of(task, ids, new, stats, cfg, context):
         # a collective: every rank of the replica reports its own bytes
         ranks = gather_stats(stats, layout)
         positions = len(ids) + len(new)
@@ -537,6 +549,19 @@ def generate_main(args):
     return rc
 
 
+@contextlib.contextmanager
+def to_stdout():
+    """Writes to stdout: one that cannot take them (a full disk) is an OutputError naming it; a
+    reader gone (BrokenPipeError) is main's."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        interrupt.closed_stdout_quietly()  # what is buffered cannot fail again at exit
+        raise OutputError(f"cannot write the output to stdout ({e.strerror})") from None
+
+
 def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
     """One prompt: stream the text (or print one JSON object), then the statistics line on
     stderr."""
@@ -546,35 +571,56 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
 
     def stream(out, final=False):
         last[0] = out
-        sys.stdout.write(text_stream.update(out, final))
-        sys.stdout.flush()
+        with to_stdout():
+            sys.stdout.write(text_stream.update(out, final))
+            sys.stdout.flush()
 
     show_text = speak and not args.json
     if show_text and args.echo:
         sys.stdout.write(text)
     progress = Progress(enabled=show_text)  # prefill progress on stderr, when it is a terminal
+
+    delivered = []
+
+    def deliver(result):
+        """The output, flushed, before the task's disk tier goes (run_task): stdout on a full disk
+        fails here, and the tier stays for the rerun."""
+        if last[0] is not None:  # what waited for bytes that never came is printed as it is
+            stream(last[0], final=True)
+        with to_stdout():
+            if speak and args.json:
+                print(json.dumps(result, ensure_ascii=False))
+            elif speak:
+                print()  # the text ends its line (or stands for none); stderr's sentence its own
+            sys.stdout.flush()
+        delivered.append(result)
+
     try:
         result = run_one({"id": "0", "prompt": text}, cfg, on_token=stream if show_text else None,
-                         progress=progress)
+                         progress=progress, deliver=deliver)
     except TaskDirError as e:  # its directory cannot be used: refused before any work
         print_err(f"generate.py: error: {e}")
         return 2
     except BrokenPipeError:  # stdout's reader is gone: main says so
         raise
-    except (UsageError, OffloadError, OSError) as e:
-        print_err(f"generate.py: error: {e}")
+    except (UsageError, OffloadError, OutputError, OSError) as e:
+        task_dir = os.path.join(args.offload_dir, safe_task_name("0"))
+        kept = ""
+        if cfg.mode == "disk" and os.path.isdir(task_dir):
+            kept = f" ({task_dir} is kept: the same command again resumes from it)"
+        print_err(f"generate.py: error: {e}{kept}")
         return 1
     finally:
         progress.close()
         monitor.close()
-        if last[0] is not None:  # what waited for bytes that never came is printed as it is
-            stream(last[0], final=True)
-        if text_stream.shown or (show_text and args.echo):
-            print(flush=True)  # the text streamed so far ends its line; stderr's sentence its own
-    if speak and args.json:
-        print(json.dumps(result, ensure_ascii=False))
-    elif speak and not (text_stream.shown or args.echo):
-        print()
+        if not delivered:  # the run failed: what it streamed ends its line
+            try:
+                if last[0] is not None:
+                    stream(last[0], final=True)
+                if text_stream.shown or (show_text and args.echo):
+                    print(flush=True)
+            except (OSError, OutputError):
+                pass  # stdout itself failed: the error says so
     if speak:
         stats_line = progress_line(result["stats"], result["prompt_tokens"], len(result["tokens"]))
         print(stats_line, file=sys.stderr)

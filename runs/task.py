@@ -68,7 +68,8 @@ def cpu_threads(device):
 
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
              eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
-             kv_store=None, layout=None, kv_dtype="auto", batcher=None, speculation=None):
+             kv_store=None, layout=None, kv_dtype="auto", batcher=None, speculation=None,
+             deliver=None):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
     everything measured.
 
@@ -85,7 +86,9 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     vouch for, and rank 0's sampled token is everyone's. batcher (a batcher.Batcher): this task is
     one of a batch whose decode steps run as one forward pass, its output unchanged.
     speculation(chunk_size, max_length): this task's guesser (speculate.Lookup, speculate.Draft),
-    whose verify steps leave the output unchanged; its statistics join the task's."""
+    whose verify steps leave the output unchanged; its statistics join the task's. deliver(new,
+    stats): where the output goes (a results file, stdout), before the directory is removed: if it
+    fails, the directory stays, and a rerun resumes from it."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
@@ -194,6 +197,14 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
                 # reading the stored chunks comes before the first token too
                 stats["store_read_s"] = round(store_read_s, 4)
                 stats["ttft_s"] = round(stats["ttft_s"] + store_read_s, 4)
+        stats["resumed_from"] = resumed_from
+        stats["kv_dtype"] = kv_dtype
+        # seconds this task spent building the compiled decode attention and products (as its
+        # cache was made, before the clock: once per process, from inductor's cache after the first)
+        for kind in ("attention", "products"):
+            stats[f"{kind}_build_s"] = round(fewrows.build_seconds(kind) - built[kind], 3)
+        if deliver is not None:
+            deliver(new, stats)
         ok = True
     finally:
         if prompt_cache is not None:
@@ -202,12 +213,6 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             cache.store.close()
         if taskdir:
             taskdir.close(remove=ok and not cfg.keep_files)
-    stats["resumed_from"] = resumed_from
-    stats["kv_dtype"] = kv_dtype
-    # seconds this task spent building the compiled decode attention and products (as its cache
-    # was made, before the clock: once per process, from inductor's cache after the first run)
-    for kind in ("attention", "products"):
-        stats[f"{kind}_build_s"] = round(fewrows.build_seconds(kind) - built[kind], 3)
     return new, stats
 
 

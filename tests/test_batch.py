@@ -259,6 +259,47 @@ def test_torn_last_line_is_repaired(text_ckpt, tmp_path, capsys, serial):
     assert lines[1][1]["tokens"] == serial["t1"]["tokens"]
 
 
+def test_a_results_file_that_cannot_take_a_result_keeps_the_task_to_resume(text_ckpt, tmp_path,
+                                                                            capsys, serial,
+                                                                            monkeypatch):
+    """--output on a full disk: the task fails naming the file, no part of its line stays, and its
+    disk tier stays (it went before the line was written); the same command again resumes it and
+    writes the result the task gives."""
+    from runs.batch import Results
+    tasks = write_tasks(tmp_path / "tasks.jsonl", TASKS[2:3])
+    output = tmp_path / "results.jsonl"
+    argv = batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK, "--top-p", "0.9")
+    write = Results.write
+
+    def full(self, line):  # half the line lands, then the disk is full
+        os.write(self.fd, line[:len(line) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Results, "write", full)
+    rc, err = run_main(argv, capsys)
+    assert rc == 1 and f"--output {output}: cannot append the result (No space left" in err, err
+    assert output.read_bytes() == b""
+    assert (tmp_path / "off" / safe_task_name("t2") / "manifest.json").is_file()
+    monkeypatch.setattr(Results, "write", write)
+    rc, err = run_main(argv, capsys)
+    assert rc == 0 and "1 resumed" in err, err
+    (_, r), = results(output)
+    assert r["tokens"] == serial["t2"]["tokens"] and r["stats"]["resumed_from"] > 0
+
+
+def test_two_writers_of_one_results_file_write_a_task_once(tmp_path):
+    """Two jobs on one --output (two processes, as two Results): what one appended, the other
+    sees before it starts the task and before it appends its own line."""
+    from runs.batch import Results
+    a, b = (Results(str(tmp_path / "r.jsonl"), print) for _ in range(2))
+    result = {"id": "t0", "tokens": [1, 2], "text": ""}
+    assert not b.has("t0")
+    a.append(result)
+    assert b.has("t0")
+    b.append(result)
+    b.append({**result, "id": "t1"})
+    assert [r["id"] for _, r in results(tmp_path / "r.jsonl")] == ["t0", "t1"]
+
+
 # -----------------------------------------------------------------------------
 # a disk that fills up: RLIMIT_FSIZE in the child, so the disk tier's writes fail with EFBIG
 

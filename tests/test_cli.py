@@ -107,6 +107,27 @@ def test_a_chat_template_that_renders_nothing_is_named(text_ckpt, tmp_path, caps
     assert rc == 2 and "the chat template rendered nothing for this prompt" in err, err
 
 
+@pytest.mark.parametrize("json_out", [False, True])
+def test_stdout_on_a_full_disk_keeps_the_task_to_resume(text_ckpt, tmp_path, json_out):
+    """stdout that cannot be written (/dev/full: every write fails with ENOSPC): one sentence
+    naming stdout, no traceback, and the task's disk tier kept (the output goes before it does);
+    the same command again resumes from it."""
+    argv = [sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt, "--prompt",
+            PROMPT * 3, "--max-new-tokens", "8", "--chunk-size", "16", "--offload", "disk",
+            "--offload-dir", str(tmp_path / "kv"), *(["--json"] if json_out else [])]
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(argv, stdout=full, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                           timeout=300)
+    task = tmp_path / "kv" / "task_0"
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert ("generate.py: error: cannot write the output to stdout (No space left on device) "
+            f"({task} is kept: the same command again resumes from it)") in p.stderr, p.stderr
+    assert (task / "manifest.json").is_file()
+    p = subprocess.run(argv + ["--json"] * (not json_out), capture_output=True, text=True,
+                       cwd=tmp_path, timeout=300)
+    assert p.returncode == 0 and json.loads(p.stdout)["stats"]["resumed_from"] > 0, p.stderr
+
+
 def test_generate_streams_text(text_ckpt):
     """stdout is the generated text alone; --echo prints the prompt before it."""
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
