@@ -171,4 +171,5 @@ if __name__ == "__main__":
     # the operations import this very module, not a second copy of it
     sys.modules["generate"] = sys.modules["__main__"]
     from runs import generate_cli, launch
+    interrupt.started()  # started: a late Ctrl-C is the run's, never "interrupted while starting"
     launch.exit(generate_cli.main())

@@ -209,14 +209,24 @@ class Results:
             with open(self.fd, "rb", closefd=False) as f:
                 f.seek(0)
                 data = f.read()
-            # only a crash of another writer can leave this; drop the tail
+            # a crash of another writer can leave this: a whole result is ended, a torn one goes
             if data and not data.endswith(b"\n"):
                 keep = data.rfind(b"\n") + 1
-                os.ftruncate(self.fd, keep)
-                log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
-                data = data[:keep]
+                if self.read_ids(data[keep:]) == 0:
+                    os.write(self.fd, b"\n")
+                    log(f"{path}: its last result lacked its line end; added")
+                    data += b"\n"
+                else:
+                    os.ftruncate(self.fd, keep)
+                    log(f"{path}: removed a partial last line ({len(data) - keep} bytes)")
+                    data = data[:keep]
         self.seen = len(data)  # the bytes read: what other processes append is read on
         ignored = self.read_ids(data)
+        if ignored and not self.done:
+            os.close(self.fd)
+            lines = f"{ignored} line" + ("s" if ignored > 1 else "")
+            raise ValueError(f"--output {path} holds {lines} and none is a result; give the "
+                             "results a file of their own")
         if ignored:
             log(f"{path}: {ignored} lines that are not results were ignored")
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -208,9 +209,10 @@ def resolve(args):
          "--prompts needs --output RESULTS.jsonl"),
         (not args.output or args.prompts,
          "--output is for batch mode; add --prompts TASKS.jsonl"),
-        (not (args.prompts and args.output and os.path.exists(args.output)
-              and os.path.exists(args.prompts) and os.path.samefile(args.prompts, args.output)),
+        (not same_file(args.prompts, args.output),
          f"--output {args.output} is the --prompts file; give the results a file of their own"),
+        (not any(same_file(args.trace, f) for f in (args.prompts, args.output, args.prompt_file)),
+         f"--trace {args.trace} is an input or the results; give the trace a file of its own"),
         (args.batch_size is None or args.batch_size >= 1,
          f"--batch-size must be >= 1, got {args.batch_size}"),
         (args.batch_size is None or args.prompts,
@@ -388,7 +390,7 @@ def print_interrupted(args, e):
     resume = "resume" if vouched else "start over (no chunk was vouched for yet)"
     print_err(f"{said}; {what} ({size / 2**20:.1f} MiB) in {args.offload_dir}: run the same "
               f"command again to {resume}, or remove {'it' if len(kept) == 1 else 'them'} "
-              f"(rm -r {' '.join(kept)})")
+              f"(rm -r {' '.join(map(shlex.quote, kept))})")
 
 
 def generate_main(args):
@@ -547,6 +549,11 @@ def generate_main(args):
     finally:
         launch.finish(layout)
     return rc
+
+
+def same_file(a, b):
+    """Whether paths a and b (either may be None) name one existing file."""
+    return bool(a and b and os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
 
 
 @contextlib.contextmanager

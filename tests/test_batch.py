@@ -859,8 +859,8 @@ def test_an_unusable_offload_dir_is_refused_at_the_start_fallback_or_not(text_ck
 def test_task_lines_that_are_empty_or_unknown_and_an_output_that_is_the_tasks(text_ckpt, tmp_path,
                                                                              capsys):
     """An empty prompt is a bad line (skipped, said, exit 1); a field no task has is said and the
-    task runs; --output naming the --prompts file is refused before any work, and a file of task
-    lines given as --output marks nothing done."""
+    task runs; --output naming the --prompts file is refused before any work, and so is a file
+    holding lines but no result (a copy of the tasks): it is left as it was."""
     tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "e", "prompt": ""},
                                                    {**SHORT, "max_tokens": 9}])
     output = tmp_path / "results.jsonl"
@@ -870,5 +870,13 @@ def test_task_lines_that_are_empty_or_unknown_and_an_output_that_is_the_tasks(te
     rc, err = run_main(batch_args(text_ckpt, tasks, tasks, tmp_path / "off"), capsys)
     assert rc == 2 and "is the --prompts file" in err and len(err.strip().splitlines()) == 1, err
     copy = write_tasks(tmp_path / "copy.jsonl", [SHORT])
+    before = copy.read_bytes()
     rc, err = run_main(batch_args(text_ckpt, tasks, copy, tmp_path / "off"), capsys)
-    assert "1 lines that are not results were ignored" in err and "already in" not in err, err
+    assert rc == 2 and f"--output {copy} holds 1 line and none is a result" in err, err
+    assert copy.read_bytes() == before
+    # a whole result whose line end a crash cut off is kept and ended, not removed
+    whole = output.read_text().rstrip("\n")
+    output.write_text(whole)
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off"), capsys)
+    assert "its last result lacked its line end; added" in err and "tasks already in" in err, err
+    assert output.read_text() == whole + "\n"
