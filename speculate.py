@@ -152,7 +152,10 @@ def attend_apart(cache, layer, rows, visits):
     W = cache.windows[layer]
     release = cache.store.release if cache.store.staged else None
     for j in visits:
-        k_j, v_j = cache.layout.read(cache.store.load(layer, j), C)  # [1, G, C, D] each
+        # read as a one-token step reads a sealed chunk (read_group: a half-precision KV stays as
+        # held, for the kernel to widen, where read casts it to the compute dtype)
+        k_n, v_n = cache.layout.read_group(cache.store.load(layer, j)[None])  # [1, 1, G, C, D]
+        k_j, v_j = k_n[0], v_n[0]                                              # [1, G, C, D]
         for row in rows:
             if j < row.first:  # before this row's sliding window
                 continue

@@ -153,14 +153,21 @@ def test_rows_together_and_apart_give_the_same_bits(models, tmp_path, monkeypatc
     assert asked  # the step asked, and went a row at a time
 
 
-def test_sliding_window(checkpoint, tmp_path):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, "auto"), (torch.float32, "bf16"),
+                                            (torch.bfloat16, "fp16"), (torch.float16, "bf16")])
+def test_sliding_window(checkpoint, tmp_path, dtype, kv_dtype):
     """A verify step's rows see different windows: each row visits and masks what its own step
-    would."""
-    model = Transformer.from_pretrained(checkpoint(arch="mistral", sliding_window=12))
+    would, reading each chunk as it does (a half-precision KV of another dtype than the weights'
+    included: a cast on the way to attention changed bits)."""
+    model = Transformer.from_pretrained(checkpoint(arch="mistral", sliding_window=12),
+                                        dtype=dtype)
     ids = prompt()
-    reference = run(model, ids, "none", tmp_path)
-    for g in (speculate.Draft(model, 5, C, P + NEW), speculate.Lookup(4)):
-        assert_same(reference, run(model, ids, "disk", tmp_path, g))
+    reference = run(model, ids, "none", tmp_path, kv_dtype=kv_dtype)
+    # the random model's greedy text repeats its prompt in fp32 only: lookup proposes there
+    lookup = [speculate.Lookup(4)] if kv_dtype == "auto" else []
+    for g in (speculate.Draft(model, 5, C, P + NEW), speculate.Draft(model, 2, C, P + NEW),
+              *lookup):
+        assert_same(reference, run(model, ids, "disk", tmp_path, g, kv_dtype=kv_dtype))
         assert g.stats["proposed"] > 0
 
 
