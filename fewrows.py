@@ -30,6 +30,7 @@ the library stays the default. fp32 keeps rowwise.Linear's blocked product, as f
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -43,6 +44,10 @@ STRIP = 16       # features of V a weighted sum accumulates at once: one AVX-512
 KERNEL = "flash"
 _FEW = {}        # (K dtype, kv heads, D) -> the compiled few_rows (fp32 queries), or None
 BUILD_SECONDS = {}  # the same keys -> seconds the build and its check took (statistics)
+# one build at a time in a process: a batch's tasks make their caches at once, each in its own
+# thread, and inductor is not thread-safe (two builds at once failed, one fell back to torch's
+# kernel, the other's build replaced it midway through their decode)
+_BUILDING = threading.Lock()
 _NATIVE = {torch.bfloat16: None, torch.float16: None}  # dtype -> oneDNN's kernel (native_half)
 # --products: "library" (torch's products) or "compiled" (few_rows_product for a few rows of half
 # precision on CPU)
@@ -90,9 +95,11 @@ def few_rows_kernel(q, k):
     B, G, _, D = q.shape
     key = (k.dtype, B * G, D)  # the queries reach it in fp32 whatever their dtype (call_few)
     if key not in _FEW:
-        start = time.perf_counter()
-        _FEW[key] = build_few_rows(q, k)
-        BUILD_SECONDS[key] = time.perf_counter() - start
+        with _BUILDING:  # another thread may be building it: its build is this one's
+            if key not in _FEW:
+                start = time.perf_counter()
+                _FEW[key] = build_few_rows(q, k)
+                BUILD_SECONDS[key] = time.perf_counter() - start
     return _FEW[key]
 
 
@@ -127,12 +134,14 @@ def product_kernel(x, w, b=None):
         return None
     key = (w.dtype, b is not None)
     other = (w.dtype, b is None)
-    if key not in _PRODUCT and other in _PRODUCT and _PRODUCT[other] is None:
-        _PRODUCT[key] = None  # its twin failed to build: so would it (said once, by the twin)
     if key not in _PRODUCT:
-        start = time.perf_counter()
-        _PRODUCT[key] = build_product(w.dtype, b is not None)
-        BUILD_SECONDS[("product", *key)] = time.perf_counter() - start
+        with _BUILDING:  # another thread may be building it: its build is this one's
+            if key not in _PRODUCT and other in _PRODUCT and _PRODUCT[other] is None:
+                _PRODUCT[key] = None  # its twin failed to build: so would it (said by the twin)
+            if key not in _PRODUCT:
+                start = time.perf_counter()
+                _PRODUCT[key] = build_product(w.dtype, b is not None)
+                BUILD_SECONDS[("product", *key)] = time.perf_counter() - start
     return _PRODUCT[key]
 
 

@@ -353,3 +353,34 @@ def test_compiled_kernels_go_to_a_private_cache_not_torchs_shared_default(monkey
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     fewrows.private_kernel_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_threads_that_ask_at_once_share_one_build(monkeypatch):
+    """A batch's tasks make their caches at once, each in its own thread: the first builds, the
+    others wait for its build and take it (two inductor builds at once failed, and the kernel a
+    run used changed midway)."""
+    import threading
+    import time
+    built = []
+
+    def build(*args):
+        built.append(threading.get_ident())
+        time.sleep(0.2)  # long enough for every thread to ask meanwhile
+        return object()
+    monkeypatch.setattr(fewrows, "KERNEL", "compiled")
+    monkeypatch.setattr(fewrows, "PRODUCTS", "compiled")
+    monkeypatch.setattr(fewrows, "_FEW", {})
+    monkeypatch.setattr(fewrows, "_PRODUCT", {})
+    monkeypatch.setattr(fewrows, "build_few_rows", build)
+    monkeypatch.setattr(fewrows, "build_product", build)
+    q, k = torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 2, 16, 8)
+    x, w = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append((fewrows.few_rows_kernel(q, k),
+                                                           fewrows.product_kernel(x, w))))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 2 and len(set(got)) == 1, (built, got)
