@@ -49,6 +49,8 @@ class PlainLayout:
     # (k, v) as held: views (the compiled kernel reads any float dtype); a layout whose read_held
     # is its read gives attention the open chunk's K and V in one read (KVCache.attend_open)
     read_held = read
+    # the open chunk is all in its bytes: a copy of them is the chunk (a session saves it)
+    open_in_bytes = True
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks held as one tensor [n, 2, B, G, C, D]:
@@ -119,6 +121,7 @@ class Int8Layout:
         return x[0], x[1]
 
     read_held = read  # the compute dtype: what a sealed group reaches attention in
+    open_in_bytes = True
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks [n, 2, B, G, C, D + 4]: the same
@@ -246,6 +249,9 @@ class Int4Layout:
         return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
     read_held = read  # the compute dtype: what a sealed group reaches attention in
+    # the open chunk's keys live beside its bytes (open_keys): a copy of the bytes is not the
+    # chunk, so a session saves only sealed chunks and recomputes the open one (runs/session.py)
+    open_in_bytes = False
 
     def read_group(self, chunks):
         """(k, v) [n, B, G, C, D] of n sealed chunks [n, 1, B, G, C, D + 4 + E], each read as

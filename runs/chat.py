@@ -354,11 +354,13 @@ class Chat:
 
     def keep_prefix(self, n):
         """Cut the cache back to its first n positions, their bytes as they are, and the record of
-        how they were computed with it (n: a point where that record replays exactly)."""
+        how they were computed with it (n: a point where that record replays exactly). A layout
+        whose open chunk is not all in its bytes (int4) keeps the sealed chunks and computes the
+        rest again, with the record's schedule."""
         old = self.cache
         self.cache = None
         self.open_cache()
-        copy_prefix(old, self.cache, min(n, old.length))
+        copy_prefix(old, self.cache, kept_positions(old, min(n, old.length)))
         old.store.close()
         self.tokens = self.tokens[:n]
         self.segments = [[a, min(b, n), kind] for a, b, kind in self.segments if a < n]
@@ -368,6 +370,7 @@ class Chat:
         # a file that fails its CRC, and is recomputed)
         self.crcs = self.crcs[:self.cache.n_sealed]
         self.open_crc = None
+        self.catch_up()
 
     def reset(self):
         """Forget the conversation, keep the system message and the document, and their KV: the
@@ -405,7 +408,7 @@ class Chat:
         old = self.cache
         self.cache = None
         self.open_cache()
-        copy_prefix(old, self.cache, min(P, old.length))
+        copy_prefix(old, self.cache, kept_positions(old, min(P, old.length)))
         old.store.close()
         self.gen += 1  # later chunks change: files of their own
         self.crcs = []
@@ -460,6 +463,13 @@ def exact_cut(segments, n, C):
         else:
             cut = n if kind == "decode" else max(a, n // C * C)
     return cut
+
+
+def kept_positions(cache, n):
+    """How many of the first n positions a copy of cache's bytes keeps: n, or its sealed chunks
+    only where the open chunk is not all in its bytes (int4's keys: the rest is recomputed with the
+    record's schedule, catch_up)."""
+    return n if cache.layout.open_in_bytes else n // cache.chunk_size * cache.chunk_size
 
 
 def copy_prefix(old, new, n):

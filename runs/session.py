@@ -231,7 +231,7 @@ def state_problem(m, n_layers, vocab, max_length):
     if not is_ints(chunks, length // C, 0, 1 << 32):
         return "'chunks' is not one CRC32 per sealed chunk"
     o = m.get("open")
-    if o is None and length % C == 0:
+    if o is None:  # no open chunk, or one recomputed on resume (int4's: kvlayout.open_in_bytes)
         return None
     if not (isinstance(o, dict) and o.get("length") == length and length % C
             and is_ints([o.get("crc")], 1, 0, 1 << 32)):
@@ -272,7 +272,7 @@ def save_kv(path, cache, gen, crcs, open_crc):
         write_atomic(chunk_file(path, gen, j), buf)
         crcs.append(zlib.crc32(buf))
     off = cache.length % cache.chunk_size
-    if not off:
+    if not off or not cache.layout.open_in_bytes:  # int4's open chunk: recomputed on resume
         return crcs, None
     if open_crc is not None and open_crc["length"] == cache.length:
         return crcs, open_crc  # saved already
@@ -312,7 +312,9 @@ def restore_kv(path, cache, m, log):
         put(cache, views, C)
         store.seal(j)  # data: as after a prefill step, the placement puts it on a tier
     o = m["open"]
-    if o is not None and len(m["chunks"]) == o["length"] // C:
+    # an open chunk whose bytes are not all of it (int4's keys): recomputed, with the first
+    # run's schedule
+    if o is not None and len(m["chunks"]) == o["length"] // C and cache.layout.open_in_bytes:
         fpath = open_file(path, m["gen"], o["length"])
         if read_kv_file(fpath, buf, o["crc"]):
             put(cache, views, o["length"] % C)

@@ -247,6 +247,28 @@ def test_sigterm_mid_answer_and_sighup_at_the_prompt_end_the_session_saved(chat_
     assert rc == 0 and " tokens, 2 turns;" in err, err
 
 
+def test_an_int4_session_resumes_resets_and_drops_exactly(chat_ckpt, tmp_path):
+    """--kv-dtype int4 holds the open chunk's keys beside its bytes: a session saves its sealed
+    chunks and recomputes the open one with the first run's schedule, so a resumed session answers
+    as the uninterrupted one, bit for bit; /reset and /drop work (they crashed)."""
+    common = ["--ckpt", chat_ckpt, *FLAGS, *TIERS, "--kv-dtype", "int4"]
+    doc = ["--document", os.path.join(chat_ckpt, "doc.txt")]
+    rc, _, err = chat_in_process([*common, *doc, "--session", str(tmp_path / "a"), "--trace",
+                                  str(tmp_path / "a.jsonl")], QUESTIONS)
+    assert rc == 0, err
+    rc, _, err = chat_in_process([*common, *doc, "--session", str(tmp_path / "b")], QUESTIONS[:1])
+    assert rc == 0, err
+    rc, _, err = chat_in_process([*common, "--session", str(tmp_path / "b"), "--trace",
+                                  str(tmp_path / "b.jsonl")], QUESTIONS[1:] + ["/reset",
+                                                                             QUESTIONS[0],
+                                                                             "/drop 1"])
+    assert rc == 0 and "the document is kept" in err and "0 turns kept" in err, err
+    a, b = turns(tmp_path / "a.jsonl"), turns(tmp_path / "b.jsonl")
+    assert (b[0]["tokens"], b[0]["logits_sha256"]) == (a[1]["tokens"], a[1]["logits_sha256"])
+    # after /reset, the first question again: the first turn's answer, bit for bit
+    assert (b[1]["tokens"], b[1]["logits_sha256"]) == (a[0]["tokens"], a[0]["logits_sha256"])
+
+
 def session_argv(ckpt, path, trace=None, *more):
     argv = ["--ckpt", ckpt, *FLAGS, "--session", str(path), *more]
     return argv + (["--trace", str(trace)] if trace else [])
