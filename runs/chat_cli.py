@@ -83,8 +83,8 @@ def build_parser():
                    help="where sealed chunks beyond the window go (default %(default)s)")
     p.add_argument("--compress", choices=COMPRESSIONS, default="none",
                    help="compress disk chunks (lossless)")
-    p.add_argument("--max-new-tokens", type=int, default=256,
-                   help="tokens per answer at most (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="tokens per answer at most (default: the session's, else 256)")
     p.add_argument("--max-length", type=int,
                    help="positions the conversation may reach (default: the model's context)")
     p.add_argument("--temperature", type=float,
@@ -113,6 +113,15 @@ def main(argv=None):
             return 0
         chat, lock, fresh = setup(args)
         kv_store = open_kv_store(args) if fresh else None
+    except KeyboardInterrupt as e:  # while the session opened (setup undid a new one's start)
+        if lock is not None:  # it came after setup: a new session's start goes too
+            chat.close()
+            if fresh:
+                abandon_start(args, chat.path, lock, lock.created)
+            else:
+                lock.close()
+        return interrupt.ended("chat.py", e, "a saved session is as it was; a new one was not "
+                               "made")
     except (UsageError, CheckpointError, OffloadError, SessionError, PrivateError,
             ValueError) as e:
         print(f"chat.py: error: {e}", file=sys.stderr)
@@ -124,6 +133,9 @@ def main(argv=None):
                 lock.close()
         return 2
     try:
+        if fresh and args.document is None and args.system is None:
+            print(f"chat.py: {chat.path} is a new session, without a document (--document FILE "
+                  "gives it one)", file=sys.stderr)
         if fresh:
             chat.save()  # the session exists before its first long step
             t = time.perf_counter()
@@ -134,8 +146,9 @@ def main(argv=None):
             if chat.ending:  # SIGTERM or SIGHUP: what is prefilled is saved; the rest on resume
                 return interrupt.ended("chat.py", interrupt.Terminated(chat.ending),
                                        f"the session is saved (resume with --session {chat.path})")
-            print(f"document: {chat.cache.length} tokens prefilled in {took:.2f} s",
-                  file=sys.stderr)
+            if chat.cache.length:
+                print(f"document: {chat.cache.length} tokens prefilled in {took:.2f} s",
+                      file=sys.stderr)
             if chat.trace:
                 chat.trace.write(json_line({"t": time.time(), "document": {
                     "tokens": chat.cache.length, "prefill_s": round(took, 4)}}))
@@ -203,11 +216,13 @@ def setup(args):
         args.dtype = saved["dtype"]
     if args.threads is None and saved.get("threads"):
         args.threads = saved["threads"]
+    if args.max_new_tokens is None:  # the session's, as its sampling: the same answers later
+        args.max_new_tokens = saved.get("max_new_tokens", 256)
     sampling = saved.get("sampling") or {}
     # a forged manifest (its checksum recomputed) must not reach a flag with a value of the wrong
     # type: the checks below see these values as if typed
     if not (type(args.chunk_size) is int and (type(args.threads) is int or args.threads is None)
-            and isinstance(sampling, dict)):
+            and type(args.max_new_tokens) is int and isinstance(sampling, dict)):
         raise SessionError(f"--session {path}: {MANIFEST_NAME} holds settings of the wrong type; "
                            f"remove it (chat.py --remove {path}) or give another --session")
     sampling = {k: v for k, v in sampling.items() if type(v) in (int, float)}
@@ -275,7 +290,8 @@ def setup(args):
         trace = open_trace(args.trace) if args.trace else None
         chat = Chat(model, tok, path, settings, cfg, max_length, args.max_new_tokens, s,
                     log=print_err, write=write_out, trace=trace)
-        chat.extra = {"threads": cpu_threads(args.device), "sampling": vars(s), "ckpt": args.ckpt}
+        chat.extra = {"threads": cpu_threads(args.device), "sampling": vars(s), "ckpt": args.ckpt,
+                      "max_new_tokens": args.max_new_tokens}
         if fresh:
             chat.start(system)
             if len(chat.tokens) >= max_length:

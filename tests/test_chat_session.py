@@ -269,6 +269,19 @@ def test_an_int4_session_resumes_resets_and_drops_exactly(chat_ckpt, tmp_path):
     assert (b[1]["tokens"], b[1]["logits_sha256"]) == (a[0]["tokens"], a[0]["logits_sha256"])
 
 
+def test_a_session_keeps_its_answer_length_and_says_when_it_is_new(chat_ckpt, tmp_path):
+    """--max-new-tokens, when not given, is the session's (as the sampling flags are): a session
+    resumed without it answers as it did. A --session that does not exist is a new session, said
+    when it has no document (a resume line with a mistyped path gave an empty session silently)."""
+    argv = ["--ckpt", chat_ckpt, "--chunk-size", "32", "--threads", "1", "--session",
+            str(tmp_path / "s"), "--trace", str(tmp_path / "t.jsonl")]
+    rc, _, err = chat_in_process([*argv, "--max-new-tokens", "3"], ["What is a module?"])
+    assert rc == 0 and f"chat.py: {tmp_path / 's'} is a new session, without a document" in err
+    rc, _, err = chat_in_process(argv, ["And its name?"])
+    assert rc == 0 and "new session" not in err, err
+    assert [len(t["tokens"]) for t in turns(tmp_path / "t.jsonl")] == [3, 3]
+
+
 def session_argv(ckpt, path, trace=None, *more):
     argv = ["--ckpt", ckpt, *FLAGS, "--session", str(path), *more]
     return argv + (["--trace", str(trace)] if trace else [])
