@@ -104,6 +104,9 @@ def decode_batch(model, caches, tokens):
 # |seed| below this keeps seed * 1_000_003 + position (sample's generator seed) inside the 64-bit
 # range torch takes
 SEED_LIMIT = 2**43
+# the smallest temperature but 0 (greedy): logits / T must stay finite in fp32, and a temperature
+# below this samples as greedy anyway
+MIN_TEMPERATURE = 1e-6
 
 
 @dataclass

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from disk import DISK_FULL, DiskError
-from generate import SEED_LIMIT
+from generate import MIN_TEMPERATURE, SEED_LIMIT
 from pools import OffloadError
 from private import PrivateError, open_private, what_is_wrong
 from runs import launch
@@ -156,8 +156,9 @@ def task_problem(task):
         if key in task and (not isinstance(task[key], types) or isinstance(task[key], bool)):
             return f"field '{key}' must be {' or '.join(t.__name__ for t in types)}"
     temperature = task.get("temperature", 0)
-    if task.get("max_new_tokens", 1) < 1 or not finite(temperature) or temperature < 0:
-        return "max_new_tokens must be >= 1 and temperature a number >= 0"
+    if (task.get("max_new_tokens", 1) < 1 or not finite(temperature)
+            or not (temperature == 0 or temperature >= MIN_TEMPERATURE)):
+        return "max_new_tokens must be >= 1 and temperature 0 (greedy) or a number >= 1e-6"
     if abs(task.get("seed", 0)) >= SEED_LIMIT:
         return f"field 'seed' must be between -{SEED_LIMIT} and {SEED_LIMIT}"
     return None

@@ -14,7 +14,7 @@ import time
 import torch
 
 from checkpoint import CheckpointError
-from generate import SEED_LIMIT, Sampling
+from generate import MIN_TEMPERATURE, SEED_LIMIT, Sampling
 from model import Transformer
 from offload import COMPRESSIONS, MODES, OffloadConfig
 from pools import OffloadError
@@ -233,9 +233,10 @@ def setup(args):
         (args.max_new_tokens > 0, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (args.max_length is None or args.max_length > 1,
          f"--max-length must be >= 2, got {args.max_length}"),
-        (math.isfinite(s.temperature) and s.temperature >= 0 and s.top_k >= 0
-         and 0 < s.top_p <= 1,
-         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (math.isfinite(s.temperature) and (s.temperature == 0 or s.temperature >= MIN_TEMPERATURE)
+         and s.top_k >= 0 and 0 < s.top_p <= 1,
+         "--temperature must be 0 (greedy) or a number >= 1e-6, --top-k >= 0 and --top-p in "
+         "(0, 1]"),
         (abs(s.seed) < SEED_LIMIT, f"--seed must be below {SEED_LIMIT} in size"),
         (os.path.isdir(args.ckpt), f"--ckpt {args.ckpt}: no such directory"),
         (args.compress == "none" or args.offload == "disk",

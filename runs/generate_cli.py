@@ -22,7 +22,7 @@ import threading
 
 from checkpoint import CheckpointError
 from disk import ALIGN, round_up
-from generate import SEED_LIMIT, Sampling
+from generate import MIN_TEMPERATURE, SEED_LIMIT, Sampling
 from kvbatch import make_arena
 from kvlayout import kv_chunk_bytes
 from offload import COMPRESSIONS, MODES, OffloadConfig
@@ -200,9 +200,11 @@ def resolve(args):
          f"--max-length must be >= 1, got {args.max_length}"),
         (args.compress == "none" or args.offload == "disk",
          "--compress zstd applies to the disk tier; add --offload disk"),
-        (math.isfinite(args.temperature) and args.temperature >= 0 and args.top_k >= 0
-         and 0 < args.top_p <= 1,
-         "--temperature must be a number >= 0, --top-k >= 0 and --top-p in (0, 1]"),
+        (math.isfinite(args.temperature)
+         and (args.temperature == 0 or args.temperature >= MIN_TEMPERATURE)
+         and args.top_k >= 0 and 0 < args.top_p <= 1,
+         "--temperature must be 0 (greedy) or a number >= 1e-6, --top-k >= 0 and --top-p in "
+         "(0, 1]"),
         (abs(args.seed) < SEED_LIMIT,
          f"--seed must be between -{SEED_LIMIT} and {SEED_LIMIT}, got {args.seed}"),
         (not args.prompts or args.output,
