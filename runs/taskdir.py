@@ -228,6 +228,11 @@ class TaskDir:
         text = f'{text[:-1]}, "check": "{check}"}}'
         write_atomic(os.path.join(self.path, "manifest.json"), text.encode())
 
+    def vouches(self):
+        """Whether a manifest vouches for any of the directory's chunks (else nothing in it can be
+        resumed)."""
+        return os.path.isfile(os.path.join(self.path, "manifest.json"))
+
     def close(self, remove):
         if remove:
             for name in os.listdir(self.path):

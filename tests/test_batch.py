@@ -356,6 +356,9 @@ def test_disk_full_without_fallback_fails_that_task_alone(full_disk):
     assert os.strerror(errno.EFBIG) in failed[0], failed
     # whole, parseable lines only, and the other task
     assert [r["id"] for _, r in results(output)] == ["short"]
+    # the tier failed as it was reserved: nothing in it was vouched for, and its files (which
+    # filled the disk for the next task) are gone
+    assert not (offload_dir / safe_task_name("long")).exists()
 
 
 def test_disk_full_falls_back_to_shorter_context(full_disk, lm):
