@@ -20,9 +20,11 @@ import time
 import torch
 
 from checkpoint import CheckpointError
+from disk import DiskError
 from generate import generate
 from kvcache import make_cache
 from policy import default_dense
+from pools import OffloadError
 from private import make_private_dir
 from runs.interrupt import Terminated, status
 from runs.monitor import fmt_bytes
@@ -113,8 +115,14 @@ class Chat:
         if self.cfg.mode == "disk":
             tier = os.path.join(self.path, TIER_DIR)
             make_private_dir(tier, "the session's disk tier")
-        self.cache = make_cache(self.model, self.cfg, self.C, self.max_length, tier,
-                                kv_dtype=self.settings["kv_dtype"])
+        try:  # the disk tier reserves room for --max-length positions up front
+            self.cache = make_cache(self.model, self.cfg, self.C, self.max_length, tier,
+                                    kv_dtype=self.settings["kv_dtype"])
+        except DiskError as e:
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise OffloadError(f"--session {self.path}: its disk tier cannot be made for "
+                               f"--max-length {self.max_length} positions ({why}); free space "
+                               "there, give a smaller --max-length, or --offload cpu") from None
 
     def close(self):
         """Stop the store's workers; the disk tier's files go (every run rebuilds them)."""

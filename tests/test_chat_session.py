@@ -5,6 +5,7 @@ turn is the same turn of a session that never stopped: the same tokens and the s
 SHA-256 of every step's logits, from the trace). The first answer is judged against generate()
 over the whole conversation rendered by the template at once.
 """
+import errno
 import io
 import json
 import os
@@ -280,6 +281,24 @@ def test_a_session_keeps_its_answer_length_and_says_when_it_is_new(chat_ckpt, tm
     rc, _, err = chat_in_process(argv, ["And its name?"])
     assert rc == 0 and "new session" not in err, err
     assert [len(t["tokens"]) for t in turns(tmp_path / "t.jsonl")] == [3, 3]
+
+
+def test_a_disk_tier_that_cannot_be_reserved_is_one_sentence(chat_ckpt, tmp_path, monkeypatch):
+    """--offload disk reserves the tier for --max-length positions as the session opens: a disk
+    without the room is one sentence naming the session and the ways out (a traceback before,
+    naming --offload-dir, which chat.py does not have), and no session is left."""
+    import disk
+
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(disk, "reserve", full)
+    s = tmp_path / "s"
+    rc, _, err = chat_in_process(session_argv(chat_ckpt, s, None, *TIERS), ["What is a module?"])
+    assert rc == 2 and "Traceback" not in err, err
+    assert (f"chat.py: error: --session {s}: its disk tier cannot be made for --max-length 1024 "
+            "positions (No space left on device); free space there, give a smaller --max-length, "
+            "or --offload cpu") in err, err
+    assert not s.exists()
 
 
 def session_argv(ckpt, path, trace=None, *more):
