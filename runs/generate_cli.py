@@ -21,7 +21,7 @@ import sys
 import threading
 
 from checkpoint import CheckpointError
-from disk import ALIGN, round_up
+from disk import ALIGN, DISK_FULL, round_up
 from generate import MIN_TEMPERATURE, SEED_LIMIT, Sampling
 from kvbatch import make_arena
 from kvlayout import kv_chunk_bytes
@@ -617,7 +617,12 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
         kept = ""
         if cfg.mode == "disk" and os.path.isdir(task_dir):
             kept = f" ({task_dir} is kept: the same command again resumes from it)"
-        print_err(f"generate.py: error: {e}{kept}")
+        said = str(e)
+        if isinstance(e, OSError) and e.errno in DISK_FULL and cfg.mode == "disk":
+            if task_dir not in said:  # the tier's own write: say where
+                said = f"the disk tier in {task_dir} cannot be written ({e.strerror})"
+            said += "; free space there, or run on host memory (--offload cpu)"
+        print_err(f"generate.py: error: {said}{kept}")
         return 1
     finally:
         progress.close()

@@ -361,6 +361,22 @@ def test_disk_full_without_fallback_fails_that_task_alone(full_disk):
     assert not (offload_dir / safe_task_name("long")).exists()
 
 
+@pytest.mark.parametrize("compress", ["none", "zstd"])
+def test_a_single_prompt_on_a_full_disk_names_its_tier(text_ckpt, tmp_path, compress):
+    """One prompt whose disk tier fills (as it is reserved, or mid-prefill with zstd): one line
+    naming the tier and what to do, no traceback."""
+    offload_dir = tmp_path / "off"
+    argv = ["--ckpt", text_ckpt, "--prompt", FULL_LONG["prompt"], "--max-new-tokens", 4,
+            "--offload-dir", offload_dir, *DISK, "--compress", compress]
+    rc, err = run_child(argv, preexec_fn=limited)
+    assert rc == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    task = offload_dir / safe_task_name("0")
+    said = {"none": f"--offload-dir: cannot create the disk tier in {task} (File too large)",
+            "zstd": f"the disk tier in {task} cannot be written (File too large)"}[compress]
+    assert err.startswith(f"generate.py: error: {said}; free space there, or run on host memory "
+                          "(--offload cpu)"), err
+
+
 def test_disk_full_falls_back_to_shorter_context(full_disk, lm):
     """With zstd, the file fills while chunks are written (a short pwrite, then EFBIG), mid-prefill,
     rather than when the raw tier reserves it (the two tests above); the fallback runs on the
