@@ -179,7 +179,17 @@ class DiskTier:
             if n != self.chunk_bytes:
                 raise OSError(errno.EIO, f"{self.path}/layer{layer}.kv: short read of chunk {j}")
             return n
-        planes = self.zd.decompress(self.blob(layer, j), max_output_size=self.chunk_bytes)
+        import zstandard
+        try:
+            planes = self.zd.decompress(self.blob(layer, j), max_output_size=self.chunk_bytes)
+        except zstandard.ZstdError as e:  # the file was changed under the run (not by it)
+            raise DiskError(errno.EIO, f"{self.path}/layer{layer}.zst: chunk {j} does not "
+                                       f"decompress ({e}); something else wrote to the disk tier "
+                                       "while the run used it") from None
+        if len(planes) != self.chunk_bytes:
+            raise DiskError(errno.EIO, f"{self.path}/layer{layer}.zst: chunk {j} decompresses to "
+                                       f"{len(planes)} bytes, not {self.chunk_bytes}; something "
+                                       "else wrote to the disk tier while the run used it")
         join_planes(planes, self.itemsize, as_bytes(dst))
         return self.index[(layer, j)][1]
 

@@ -147,3 +147,18 @@ def test_fallback_cpu_budget_leaves_normal_placement_on_disk(text_ckpt, tmp_path
     st = json.loads(output.read_text())["stats"]
     assert st["chunks"]["host"] == 0, st
     assert st["chunks"]["disk"] > 0 and st["bytes"]["disk_write"] > 0, st
+
+
+def test_a_zstd_chunk_changed_under_the_run_is_one_sentence(lm_small, tmp_path, monkeypatch):
+    """A compressed chunk that stops decompressing while the run reads it back (another process
+    wrote over the tier): a DiskError naming the file and chunk, not zstandard's traceback."""
+    model, ids, _ = lm_small
+    blob = disk.DiskTier.blob
+
+    def damaged(self, layer, j):
+        return b"\xff" * 40 + blob(self, layer, j)[40:]
+    monkeypatch.setattr(disk.DiskTier, "blob", damaged)
+    cfg = OffloadConfig(mode="disk", window=1, compress="zstd", offload_dir=str(tmp_path))
+    with pytest.raises(disk.DiskError, match=r"layer\d+\.zst: chunk \d+ does not decompress .*"
+                                             "something else wrote to the disk tier"):
+        run_task(model, ids, 6, chunk_size=C, cfg=cfg)
