@@ -74,6 +74,7 @@ CLAIM = re.compile(r"^[0-9a-f]{64}\.claim$")
 TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 3600                    # a temporary file this old belongs to a writer that died
 STALE_CLAIM_S = 600                    # a claim not renewed this long: its task died (or hangs)
+WAIT_NOTE_S = 5                        # a wait on another's claim this long is said, once
 HOST = socket.gethostname()            # a claim made on this machine names its process: see claim()
 
 
@@ -467,12 +468,28 @@ class KVStore:
         compute the chunk yourself)."""
         entry = self.path(key)
         claim = self.path(key, ".claim")
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(entry) and time.monotonic() < deadline:
+        start = time.monotonic()
+        said = False
+        while not os.path.exists(entry) and time.monotonic() < start + timeout_s:
             if not os.path.exists(claim) or claim_is_void(claim):
                 break
+            if not said and time.monotonic() > start + WAIT_NOTE_S:  # a wait, not a hang: say so
+                said = True
+                print(f"kv store {self.root}: waiting for {claim_owner(claim)}, which is computing "
+                      f"a chunk of this prompt (a claim it stops renewing lapses after "
+                      f"{STALE_CLAIM_S} s; then this run computes it)", file=sys.stderr)
             time.sleep(poll_s)
         return os.path.exists(entry)
+
+
+def claim_owner(path):
+    """'process N on HOST' of a claim, as far as its file says."""
+    try:
+        with os.fdopen(open_private(path, os.O_RDONLY), "rb") as f:
+            owner = f.read(256).decode(errors="replace").split()
+    except (OSError, PrivateError):
+        owner = []
+    return f"process {owner[1]} on {owner[0]}" if len(owner) == 2 else "another process"
 
 
 def claim_is_void(path):

@@ -198,3 +198,18 @@ def test_the_ranks_of_a_replica_adopt_the_prefix_every_rank_holds(model, cold, t
                             on_token=None, on_step=None, stream=None)
     assert new == cold[0]
     assert prompt_cache.finish()["reused_tokens"] == 2 * C
+
+
+def test_a_wait_on_a_live_claim_is_said(tmp_path, monkeypatch, capsys):
+    """A claim whose process lives but does not finish (stopped with Ctrl-Z) makes another run
+    wait, up to STALE_CLAIM_S: after a few seconds that wait is said once, naming the process, and
+    when it ends without the entry the run computes the chunk itself (False)."""
+    from runs import kvstore
+    monkeypatch.setattr(kvstore, "WAIT_NOTE_S", 0.1)
+    store = KVStore(tmp_path / "s")
+    key = "ab" * 32
+    with open(store.path(key, ".claim"), "w") as f:
+        f.write(f"{HOST} {os.getpid()}\n")  # a live process of this machine: this one
+    assert store.wait_for(key, timeout_s=0.5, poll_s=0.02) is False
+    err = capsys.readouterr().err
+    assert err.count(f"waiting for process {os.getpid()} on {HOST}, which is computing") == 1, err
