@@ -211,8 +211,8 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
             prompt_cache.close()  # a failed task's claims end here: its waiters compute
         if cache is not None:
             cache.store.close()
-        if taskdir:  # kept to resume from, where a manifest vouches for something
-            taskdir.close(remove=(ok and not cfg.keep_files) or not taskdir.vouches())
+        if taskdir:  # a failed task's is kept to resume from, where a manifest vouches for it
+            taskdir.close(remove=not cfg.keep_files if ok else not taskdir.vouches())
     return new, stats
 
 
