@@ -18,4 +18,5 @@ if __name__ == "__main__":
         code = interrupt.ended("bench.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("bench.py")
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
     sys.exit(code)

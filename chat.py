@@ -20,4 +20,5 @@ if __name__ == "__main__":
         code = main()
     except KeyboardInterrupt as e:  # while the model loads (in a session, the session's own)
         code = interrupt.ended("chat.py", e, "what the session saved is kept")
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
     sys.exit(code)

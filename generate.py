@@ -175,4 +175,6 @@ if __name__ == "__main__":
     sys.modules["generate"] = sys.modules["__main__"]
     from runs import generate_cli, launch
     interrupt.started()  # started: a late Ctrl-C is the run's, never "interrupted while starting"
-    launch.exit(generate_cli.main())
+    code = generate_cli.main()
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
+    launch.exit(code)

@@ -15,4 +15,5 @@ if __name__ == "__main__":
         code = interrupt.ended("probe.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("probe.py")
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
     sys.exit(code)

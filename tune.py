@@ -15,4 +15,5 @@ if __name__ == "__main__":
         code = interrupt.ended("tune.py", e)
     except BrokenPipeError:  # `| head`: one line and 141
         code = interrupt.closed_stdout("tune.py")
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
     sys.exit(code)

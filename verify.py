@@ -145,4 +145,5 @@ if __name__ == "__main__":
         code = proofs.main()
     except KeyboardInterrupt as e:
         sys.exit(interrupt.ended("verify.py", e))
+    interrupt.finished()  # a stop signal during shutdown: ignored, never a traceback
     launch.exit(code)

@@ -92,3 +92,10 @@ def ended(command, e, kept="nothing to resume: run it again"):
     """The one line a stopped command ends with (on stderr); returns its exit status."""
     os.write(2, f"{command}: {said(e)}; {kept}\n".encode())
     return status(e)
+
+
+def finished():
+    """The command's work is done: a stop signal from now on (as the interpreter shuts down) is
+    ignored, where it would raise inside an exit handler and print a traceback."""
+    for signum in STOPS:
+        signal.signal(signum, signal.SIG_IGN)
