@@ -501,7 +501,7 @@ def generate_main(args):
                  eos_ids=tokenizer.eos_ids, task_id=task["id"], on_token=on_token,
                  on_step=on_step, fingerprint=fingerprint, log=monitor.log, kv_store=kv_store,
                  kv_dtype=args.kv_dtype, layout=layout, batcher=batcher, speculation=guesser,
-                 deliver=finished)
+                 deliver=finished, keep_other_prompts=not args.prompts)
         return made[0]
 
     def result_of(task, ids, new, stats, cfg, context):

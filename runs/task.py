@@ -4,6 +4,7 @@ statistics. cli.py (one prompt or a --prompts batch), bench.py and verify.py all
 run_task, so every number they print is measured the same way.
 """
 import functools
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -22,6 +23,7 @@ from runs.kvstore import STALE_CLAIM_S, chunk_keys
 from runs.monitor import host_memory, process_io
 from runs.taskdir import (
     TaskDir,
+    TaskDirError,
     chunks_problem,
     manifest_size_bound,
     run_fingerprint,
@@ -69,7 +71,7 @@ def cpu_threads(device):
 def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sampling(),
              eos_ids=(), task_id="0", on_token=None, on_step=None, fingerprint=None, log=None,
              kv_store=None, layout=None, kv_dtype="auto", batcher=None, speculation=None,
-             deliver=None):
+             deliver=None, keep_other_prompts=False):
     """Generate for one prompt (a list of ids) with its own cache; returns (new ids, stats),
     everything measured.
 
@@ -88,7 +90,9 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
     speculation(chunk_size, max_length): this task's guesser (speculate.Lookup, speculate.Draft),
     whose verify steps leave the output unchanged; its statistics join the task's. deliver(new,
     stats): where the output goes (a results file, stdout), before the directory is removed: if it
-    fails, the directory stays, and a rerun resumes from it."""
+    fails, the directory stays, and a rerun resumes from it. keep_other_prompts: a directory whose
+    manifest vouches for another prompt (a lone prompt's task_0, left by an interrupted run of
+    another command) is refused (TaskDirError), never recomputed over."""
     device = model.tok_embeddings.weight.device
     layout = layout or Layout.single()
     # a chunk longer than the task is cut to it: the task fits in one chunk either way, never
@@ -125,6 +129,12 @@ def run_task(model, prompt_ids, max_new_tokens, *, chunk_size, cfg, sampling=Sam
         n_restore, replay, why = resume_point(manifest, task, model.args, eos_ids)
     else:
         n_restore, replay = 0, []
+    other = manifest and manifest.get("prompt_ids") != task["prompt_ids"]
+    if why and keep_other_prompts and other:
+        taskdir.close(remove=False)
+        raise TaskDirError(f"{taskdir.top} holds the run of another prompt (interrupted, or kept "
+                           "by --keep-cache), which that run's command resumes; remove it (rm -r "
+                           f"{shlex.quote(taskdir.top)}) or give another --offload-dir")
     if why and log:
         log(f"task {task_id}: {why}; not used, recomputing from the start")
     # the ranks of a replica step together: same prefix, same replay

@@ -128,6 +128,23 @@ def test_stdout_on_a_full_disk_keeps_the_task_to_resume(text_ckpt, tmp_path, jso
     assert p.returncode == 0 and json.loads(p.stdout)["stats"]["resumed_from"] > 0, p.stderr
 
 
+def test_another_prompt_never_recomputes_over_a_kept_run(text_ckpt, tmp_path, capsys):
+    """A lone prompt's directory is always task_0: another prompt in the same --offload-dir is
+    refused in one sentence while a run of the first is kept there (it recomputed over it, so the
+    first command could no longer resume), and the first command still resumes from it."""
+    base = ["--ckpt", text_ckpt, "--max-new-tokens", 4, "--chunk-size", 16, "--offload", "disk",
+            "--offload-dir", tmp_path / "kv", "--json"]
+    rc, out, err = main_in_process([*base, "--prompt", PROMPT * 3, "--keep-cache"], capsys)
+    assert rc == 0, err
+    task = tmp_path / "kv" / "task_0"
+    before = sorted(os.listdir(task))
+    rc, _, err = main_in_process([*base, "--prompt", PROMPT * 2], capsys)
+    assert rc == 2 and f"{task} holds the run of another prompt" in err, err
+    assert sorted(os.listdir(task)) == before
+    rc, out, err = main_in_process([*base, "--prompt", PROMPT * 3], capsys)
+    assert rc == 0 and json.loads(out)["stats"]["resumed_from"] > 0, err
+
+
 def test_generate_streams_text(text_ckpt):
     """stdout is the generated text alone; --echo prints the prompt before it."""
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
