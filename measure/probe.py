@@ -198,16 +198,17 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
     fd, path = create_private(dirpath, ".bench-probe-")
     os.close(fd)
     fd = None
-    try:
-        fd = open_private(path, os.O_WRONLY | direct)
-        os.write(fd, buf)  # some file systems accept O_DIRECT at open and refuse the first write
-    except OSError:
-        if fd is not None:
-            os.close(fd)
-        direct = 0
-        method = "buffered + fsync + posix_fadvise(DONTNEED)"
-        fd = open_private(path, os.O_WRONLY)
-    try:
+    try:  # the file goes however this ends (Ctrl-C, a full disk)
+        try:
+            fd = open_private(path, os.O_WRONLY | direct)
+            os.write(fd, buf)  # some file systems accept O_DIRECT at open, refuse the first write
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+                fd = None
+            direct = 0
+            method = "buffered + fsync + posix_fadvise(DONTNEED)"
+            fd = open_private(path, os.O_WRONLY)
         os.lseek(fd, 0, os.SEEK_SET)
         t = time.perf_counter()
         for _ in range(max(1, nbytes // block)):
@@ -217,13 +218,15 @@ def disk_bandwidth(dirpath, nbytes=512 << 20, block=8 << 20):
         # drop the (now clean) cached pages before reading
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
+        fd = None
         fd = open_private(path, os.O_RDONLY | direct)
         t = time.perf_counter()
         while os.readv(fd, [buf]) > 0:
             pass
         read_s = time.perf_counter() - t
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         os.remove(path)
     n = max(1, nbytes // block) * block
     return {"write": n / write_s / GB, "read": n / read_s / GB, "method": method, "dir": dirpath}

@@ -218,3 +218,21 @@ def test_probe_refuses_a_disk_test_file_past_the_free_space(tmp_path, capsys):
                        str(offload)]) == 2
     err = capsys.readouterr().err.strip()
     assert "--probe-mib" in err and err.count("\n") == 0 and not offload.exists(), err
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_the_disk_probe_leaves_no_file_however_it_ends(tmp_path, monkeypatch, at):
+    """Ctrl-C at the probe's first write (where O_DIRECT is tried) or later: its scratch file goes
+    (the first write was outside the cleanup, and 8 MiB stayed behind)."""
+    from measure import probe
+    calls = []
+
+    def write(fd, data):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return os.write(fd, data)
+    monkeypatch.setattr(probe.os, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        probe.disk_bandwidth(str(tmp_path), nbytes=4 << 20, block=1 << 20)
+    assert os.listdir(tmp_path) == []
