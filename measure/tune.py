@@ -603,13 +603,14 @@ def log(msg):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    made = None  # a random model's temporary directory: kept only for the command it prints
     try:
         check(args)
         set_threads(args)  # cores.py: the cores this run may use
         dtype = DTYPES[args.dtype]
         if args.random_model:
-            out_dir = args.ckpt or tempfile.mkdtemp(prefix="tune-model-")
-            args.ckpt = build_random_checkpoint(args.sizes, out_dir, dtype, args.device)
+            made = None if args.ckpt else tempfile.mkdtemp(prefix="tune-model-")
+            args.ckpt = build_random_checkpoint(args.sizes, args.ckpt or made, dtype, args.device)
             log(f"random model written to {args.ckpt} (kept: the command below uses it)")
         args.ckpt = args.ckpt or DEMO_CKPT
         model_args = read_model_args(args.ckpt, args)  # with the --rope-scaling override
@@ -630,11 +631,14 @@ def main(argv=None):
         t = time.perf_counter()
         cands = search(model, model_args, args, log)
         rec, fastest, why = choose(cands, args)
+        made = None  # a command will name it: kept
     except (ValueError, CheckpointError, OffloadError, DiskError, TaskDirError) as e:
         print(f"tune.py: error: {e}", file=sys.stderr)  # ValueError: UsageError too
         return 2
     finally:
         remove_created_offload_dir(args)  # as generate.py does: the printed command makes it again
+        if made is not None:  # failed or interrupted: no command names the random model
+            shutil.rmtree(made, ignore_errors=True)
     if getattr(args, "kv_dtype_why", None):
         why = f"{args.kv_dtype_why}; {why}"
     kv_total = whole_kv(model_args, args, rec.chunk_size, probe.is_cuda(args.device))

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from argparse import Namespace
 
@@ -146,11 +147,16 @@ def test_tune_refuses_what_it_picks(capsys):
     assert err.count("\n") == 0 and "--chunk-sizes" in err, err
 
 
-def test_tune_says_when_nothing_fits_the_budgets(capsys):
+@pytest.mark.parametrize("random_model", [False, True])
+def test_tune_says_when_nothing_fits_the_budgets(capsys, monkeypatch, tmp_path, random_model):
+    """One sentence; and a random model made for the run goes with it (no command names it)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    model = ["--random-model", "tiny"] if random_model else []
     assert tune.main(["--context", "256", "--device-budget", "1e-9", "--repeats", "1",
-                      "--new-tokens", "4", "--threads", "1"]) == 2
+                      "--new-tokens", "4", "--threads", "1", *model]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "no configuration fits the budgets" in err[-1] and "--device-budget" in err[-1], err
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("tune-model-")]
 
 
 @pytest.mark.parametrize("argv, says", [
