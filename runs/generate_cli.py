@@ -431,8 +431,8 @@ def generate_main(args):
             prompt_ids = tokenizer.prompt_ids({"prompt": text}, args.chat, args.system)
             max_new = plan_lengths(args, len(prompt_ids), model_args)
             check_host_budget(args, cfg, model_args, len(prompt_ids) + max_new, layout)
-        kv_store = open_kv_store(args, log)
-        monitor = Monitor(args.trace if speak else None, log=log)
+        monitor = Monitor(args.trace if speak else None, log=log)  # a bad --trace: before any
+        kv_store = open_kv_store(args, log)                          # store directory is made
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))
         # a batch's tasks in flight share the model's forward passes (batcher.py); the ranks of a
