@@ -38,6 +38,7 @@ from runs.flags import (
     run_fingerprint,
     select_fields,
     set_threads,
+    text_out,
 )
 from runs.monitor import open_trace
 from runs.progress import Progress
@@ -98,6 +99,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    text_out()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit fails a write, not us
     lock = chat = None
     try:

@@ -381,6 +381,15 @@ def check_shapes(args, model_args):
         raise UsageError(str(e)) from None
 
 
+def text_out():
+    """stdout that cannot encode every character (PYTHONIOENCODING=ascii, a C locale without UTF-8
+    mode) writes the others as escapes (\\u20ac: valid inside --json's strings too) rather than
+    ending the run with a traceback midway through an answer."""
+    encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+    if encoding != "utf8" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def one_line_errors(p):
     """argparse's errors (an unknown flag, a bad choice) as ours: one line on stderr, exit 2. And
     no abbreviated flags: argparse would read a flag this script lacks as one it has that starts

@@ -54,6 +54,7 @@ from runs.flags import (
     run_fingerprint,
     select_fields,
     set_threads,
+    text_out,
 )
 from runs.monitor import Monitor, progress_line
 from runs.progress import Progress
@@ -314,6 +315,7 @@ def check_host_budget(args, cfg, model_args, positions, layout):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    text_out()
     args.at = None         # (phase, position, prompt tokens) of the lone task's last step
     args.started = set()   # ids of the tasks begun
     # signal handlers belong to the main thread; called from another, Ctrl-C stays the caller's.

@@ -145,6 +145,20 @@ def test_another_prompt_never_recomputes_over_a_kept_run(text_ckpt, tmp_path, ca
     assert rc == 0 and json.loads(out)["stats"]["resumed_from"] > 0, err
 
 
+def test_stdout_that_cannot_encode_a_character_escapes_it(text_ckpt):
+    """stdout in ASCII (PYTHONIOENCODING=ascii): a character it cannot encode is written as an
+    escape, never a traceback midway; in --json the escape keeps the JSON valid and its text."""
+    argv = [sys.executable, os.path.join(ROOT, "generate.py"), "--ckpt", text_ckpt, "--prompt",
+            "€ " + PROMPT, "--max-new-tokens", "2", "--offload", "none"]
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    p = subprocess.run([*argv, "--echo"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stdout.startswith("\\u20ac "), p.stdout
+    p = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["prompt_ids"] == load_tokenizer(text_ckpt).encode("€ " + PROMPT)
+
+
 def test_generate_streams_text(text_ckpt):
     """stdout is the generated text alone; --echo prints the prompt before it."""
     argv = ["--ckpt", text_ckpt, "--prompt", PROMPT, "--max-new-tokens", 5, "--chunk-size", 8,
