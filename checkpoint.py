@@ -283,6 +283,11 @@ def read_config(ckpt_dir):
     # more layers than the weights hold is refused here; fewer, or a gap, names the tensor that
     # does not fit when it is loaded (expected, below)
     n = hf_config.get("num_hidden_layers")
+    if not layers and any(re.match(r"layers\.\d", name) for name in shapes):
+        # a base model's save (LlamaModel.save_pretrained): no "model." prefix, no lm_head
+        raise CheckpointError(f"{ckpt_dir}: the weights are a base model's (their names lack "
+                              "'model.', and there is no lm_head); save the ...ForCausalLM model "
+                              "(AutoModelForCausalLM), which generates text")
     if is_int(n, 1) and n > len(layers):
         raise CheckpointError(f"{path}: num_hidden_layers is {n}, but the weights hold "
                               f"{len(layers)} layers; fix config.json or the checkpoint")

@@ -410,3 +410,14 @@ def test_a_config_that_cannot_be_read_is_named(tmp_path):
     (tmp_path / "config.json").mkdir()
     with pytest.raises(CheckpointError, match=r"config.json cannot be read \(Is a directory\)"):
         read_json(str(tmp_path / "config.json"))
+
+
+def test_a_base_models_save_is_named(tmp_path):
+    """LlamaModel.save_pretrained (no 'model.' prefix, no lm_head): said so, not as a checkpoint
+    of 0 layers."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from ckpt import DEFAULTS
+    LlamaModel(LlamaConfig(**DEFAULTS)).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="the weights are a base model's"):
+        Transformer.from_pretrained(str(tmp_path))
