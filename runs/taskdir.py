@@ -33,7 +33,9 @@ MANIFEST_VERSION = 2  # 2: the manifest carries a checksum of itself
 
 
 class TaskDirError(RuntimeError):
-    """The task directory cannot be used; the message names it and why."""
+    """The task directory cannot be used; the message names it and why. holder: the process that
+    holds it, where another does (the task runs there now), else None."""
+    holder = None
 
 
 def safe_task_name(task_id):
@@ -175,9 +177,11 @@ class TaskDir:
             holder = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip()
             holder = holder or "another task"
             os.close(self.lock_fd)
-            raise TaskDirError(f"{self.path} is in use by process {holder}; wait for it to finish, "
-                               "or run this task in another --offload-dir (or, in a --prompts "
-                               "file, under another id)") from None
+            error = TaskDirError(f"{self.path} is in use by process {holder}; wait for it to "
+                                 "finish, or run this task in another --offload-dir (or, in a "
+                                 "--prompts file, under another id)")
+            error.holder = holder
+            raise error from None
         os.ftruncate(self.lock_fd, 0)
         os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
 
