@@ -334,15 +334,9 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
         cfg = dataclasses.replace(cfg, cpu_budget_gib=cfg.cpu_budget_gib / in_flight,
                                   budget_note=note)
 
-    said = set()
+    deferred = []  # tasks another process was running: tried again once the others are done
 
-    def waiting_for(task_id, holder):
-        """Whether the wait for holder's run of task_id is new (said once)."""
-        fresh = (task_id, holder) not in said
-        said.add((task_id, holder))
-        return fresh
-
-    def one(task):
+    def one(task, last_try=False):
         try:
             if layout.tp == 1 and results.has(task["id"]):  # a second process on this --output
                 log(f"task {task['id']}: already in {args.output} (another process ran it); "
@@ -350,21 +344,15 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
                 return
             # the result is in the file before the task's disk tier goes (run_task's deliver)
             deliver = results.append if layout.is_leader else None
-            result = None
-            while result is None:
-                try:
-                    result = with_fallbacks(task, args, cfg, run_one, log, deliver)
-                except TaskDirError as e:  # another process runs this task now
-                    if e.holder is None or layout.tp > 1:
-                        raise
-                    if waiting_for(task["id"], e.holder):
-                        log(f"task {task['id']}: process {e.holder} runs it (another job on this "
-                            "--offload-dir); waiting for it")
-                    time.sleep(1.0)
-                    if results.has(task["id"]):  # that job wrote it here: done
-                        log(f"task {task['id']}: written to {args.output} by process "
-                            f"{e.holder}; skipped")
-                        return
+            try:
+                result = with_fallbacks(task, args, cfg, run_one, log, deliver)
+            except TaskDirError as e:  # another process runs this task now (another job)
+                if e.holder is None or layout.tp > 1 or last_try:
+                    raise
+                log(f"task {task['id']}: process {e.holder} runs it now (another job on this "
+                    "--offload-dir); tried again after the other tasks")
+                deferred.append(task)
+                return
             stats = {**result["stats"], "prompt_tokens": result["prompt_tokens"]}
             monitor.task_finished(task["id"], stats)
         except Exception as e:
@@ -384,6 +372,10 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
             try:
                 for future in futures:
                     future.result()  # a failure that stops the replica (tensor parallel) is here
+                # then what another job was running: written by it by now, or this job's again
+                futures = [pool.submit(one, task, True) for task in deferred]
+                for future in futures:
+                    future.result()
             except KeyboardInterrupt:
                 # the tasks not begun never start; those in flight stop at their next step
                 for future in futures:

@@ -286,24 +286,29 @@ def test_a_results_file_that_cannot_take_a_result_keeps_the_task_to_resume(text_
     assert r["tokens"] == serial["t2"]["tokens"] and r["stats"]["resumed_from"] > 0
 
 
-def test_a_task_another_job_runs_is_waited_for_not_failed(text_ckpt, tmp_path, capsys):
+def test_a_task_another_job_runs_is_tried_again_not_failed(text_ckpt, tmp_path, capsys,
+                                                          monkeypatch):
     """Two jobs on one --output and --offload-dir: a task whose directory the other job holds is
-    waited for, and skipped once that job's result is in the file (it was counted FAILED, and the
-    job exited 1 though every task finished)."""
-    import threading
+    tried again after the other tasks, and skipped where that job's result is in the file by then
+    (it was counted FAILED, and the job exited 1 though every task finished)."""
+    from runs import batch
     tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT, TASKS[0]])
     output = tmp_path / "results.jsonl"
     other = TaskDir(str(tmp_path / "off"), "short")  # the other job, running "short"
+    with_fallbacks = batch.with_fallbacks
 
-    def other_job_finishes():
-        time.sleep(1.5)
-        with open(output, "a") as f:
-            f.write(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
-        other.close(remove=True)
-    threading.Thread(target=other_job_finishes).start()
-    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK), capsys)
+    def meanwhile(task, *args):  # the other job finishes "short" while this one runs "t0"
+        if task["id"] == "t0":
+            with open(output, "a") as f:
+                f.write(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
+            other.close(remove=True)
+        return with_fallbacks(task, *args)
+    monkeypatch.setattr(batch, "with_fallbacks", meanwhile)
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK,
+                                  "--batch-size", 1), capsys)
     assert rc == 0 and "FAILED" not in err, err
-    assert f"task short: process {os.getpid()} runs it" in err and "skipped" in err, err
+    assert f"task short: process {os.getpid()} runs it now" in err, err
+    assert "task short: already in" in err and "skipped" in err, err
     assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
 
 
