@@ -263,7 +263,8 @@ def run_fresh(args, mode, ctx, new):
     # every flag that shapes a run: the child must run what this process would have run
     keep = ("ckpt", "device", "dtype", "quantize", "group_size", "kv_dtype", "chunk_size", "window",
             "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
-            "rope_orig_ctx", "contexts", "new_tokens", "threads", "attention", "products")
+            "rope_orig_ctx", "contexts", "new_tokens", "threads", "attention", "products",
+            "select", "select_budget", "select_dense", "group_buffers")
     flags = []
     for k in keep:
         if getattr(args, k) is not None:
@@ -553,6 +554,10 @@ def check(args):
     if args.batch_sizes is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
         raise UsageError("--batch-sizes takes batch sizes >= 1, e.g. 1,4,8,16")
     contexts, modes = check_measure(args, "bench")
+    if args.visit_cost and max(contexts) < 8192:
+        # chunks of 64 against 4096: fewer positions leave too few extra visits to divide by
+        raise UsageError("--visit-cost needs --contexts of 8192 or more (it compares chunks of 64 "
+                         "with chunks of 4096 at the largest context)")
     if args.vs_llamacpp:
         llamacpp.check_flags(args)
     elif args.gguf:

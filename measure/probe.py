@@ -400,6 +400,7 @@ def calibrate(model, args, contexts, modes, disk=False):
 def median_of(cals):
     """Element-wise median of the calibrations of each repeat (they drift with the machine, as the
     runs do)."""
+    cals = [c for c in cals if c is not None] or [None]  # measured on some repeats only (zstd)
     if isinstance(cals[0], dict):
         return {k: median_of([c[k] for c in cals if k in c]) for k in cals[0]}
     if isinstance(cals[0], (int, float)):

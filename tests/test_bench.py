@@ -236,3 +236,37 @@ def test_the_disk_probe_leaves_no_file_however_it_ends(tmp_path, monkeypatch, at
     with pytest.raises(KeyboardInterrupt):
         probe.disk_bandwidth(str(tmp_path), nbytes=4 << 20, block=1 << 20)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_fresh_process_runs_what_this_one_would(monkeypatch):
+    """--fresh-process (and --contention) hand the child every flag that shapes a run: the
+    selection's and --group-buffers too (the child ran --select all where quest was asked)."""
+    args = bench.build_parser().parse_args(["--random-model", "tiny", "--select", "quest",
+                                            "--select-budget", "128", "--select-dense", "1",
+                                            "--group-buffers", "3"])
+    seen = []
+
+    def run(cmd, **kwargs):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"ok": 1}\n', stderr="")
+    monkeypatch.setattr(bench.subprocess, "run", run)
+    args.ckpt = "CKPT"
+    assert bench.run_fresh(args, "none", 100, 4) == {"ok": 1}
+    cmd = " ".join(seen[0])
+    for flag in ("--select quest", "--select-budget 128", "--select-dense 1", "--group-buffers 3"):
+        assert flag in cmd, cmd
+
+
+def test_visit_cost_needs_a_long_context(capsys):
+    assert bench.main(["--random-model", "tiny", "--visit-cost", "--contexts", "100"]) == 2
+    assert "--visit-cost needs --contexts of 8192 or more" in capsys.readouterr().err
+
+
+def test_calibrations_measured_on_some_repeats_only_take_their_median():
+    """probe.py's zstd calibration is measured on the first repeat only: the later repeats' None
+    is left out of the median (it crashed probe.py at its default --repeats without disk+zstd)."""
+    from measure.probe import median_of
+    cals = [{"read": 30.0, "zstd": {"ratio": 2.0}}, {"read": 20.0, "zstd": None},
+            {"read": 40.0, "zstd": None}]
+    assert median_of(cals) == {"read": 30.0, "zstd": {"ratio": 2.0}}
+    assert median_of([{"zstd": None}, {"zstd": None}]) == {"zstd": None}

@@ -121,7 +121,7 @@ def main(argv=None):
                    help="how K and V are held (kvlayout.py)")
     args = p.parse_args(argv)
     for flag, value, least in (("--context", args.context, 1), ("--steps", args.steps, 1),
-                               ("--chunk-size", args.chunk_size, 1), ("--window", args.window, 1),
+                               ("--chunk-size", args.chunk_size, 1), ("--window", args.window, 0),
                                ("--ops", args.ops, 0)):
         if value < least:
             p.error(f"{flag} {value}: give at least {least}")
