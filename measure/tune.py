@@ -408,6 +408,16 @@ def command(c, args):
         cmd += ["--threads", args.threads]
     if args.kv_dtype != "auto":
         cmd += ["--kv-dtype", args.kv_dtype]
+    # the selection and kernels it was measured with (they change speed, and --select the output)
+    if args.select != "all":
+        cmd += ["--select", args.select]
+        for flag in ("select_budget", "select_dense"):
+            if getattr(args, flag) is not None:
+                cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if args.attention != "flash":
+        cmd += ["--attention", args.attention]
+    if args.products != "library":
+        cmd += ["--products", args.products]
     cmd += ["--max-new-tokens", args.new_tokens]
     return " ".join(shlex.quote(str(x)) for x in cmd)
 

@@ -266,3 +266,19 @@ def test_diagnose_names_a_mismatch_and_its_likely_cause(capsys, llama_ckpt, monk
     line = next(line for line in found
                 if line.startswith("FOUND  different output with offload on and off"))
     assert "position 63" in line and "chunk boundary" in line, line
+
+
+def test_the_printed_command_runs_what_was_measured():
+    """--select (and its budget), --attention and --products shape what tune.py measures: its
+    command carries them (they were dropped, so the command ran another configuration)."""
+    args = tune.build_parser().parse_args(["--select", "quest", "--select-budget", "256",
+                                           "--attention", "compiled", "--products", "compiled"])
+    args.ckpt = "CKPT"
+    cmd = tune.command(tune.Candidate(chunk_size=64, window=1, offload="none"), args)
+    for flag in ("--select quest", "--select-budget 256", "--attention compiled",
+                 "--products compiled"):
+        assert flag in cmd, cmd
+    args = tune.build_parser().parse_args([])
+    args.ckpt = "CKPT"
+    plain = tune.command(tune.Candidate(chunk_size=64, window=1, offload="none"), args)
+    assert "--select" not in plain and "--attention" not in plain, plain
