@@ -409,15 +409,14 @@ def command(c, args):
     if args.kv_dtype != "auto":
         cmd += ["--kv-dtype", args.kv_dtype]
     # the selection and kernels it was measured with (they change speed, and --select the output)
-    if args.select != "all":
+    if getattr(args, "select", "all") != "all":
         cmd += ["--select", args.select]
         for flag in ("select_budget", "select_dense"):
             if getattr(args, flag) is not None:
                 cmd += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    if args.attention != "flash":
-        cmd += ["--attention", args.attention]
-    if args.products != "library":
-        cmd += ["--products", args.products]
+    for flag, default in (("attention", "flash"), ("products", "library")):
+        if getattr(args, flag, default) != default:
+            cmd += [f"--{flag}", getattr(args, flag)]
     cmd += ["--max-new-tokens", args.new_tokens]
     return " ".join(shlex.quote(str(x)) for x in cmd)
 
