@@ -89,8 +89,11 @@ def closed_stdout_quietly():
 
 
 def ended(command, e, kept="nothing to resume: run it again"):
-    """The one line a stopped command ends with (on stderr); returns its exit status."""
-    os.write(2, f"{command}: {said(e)}; {kept}\n".encode())
+    """The one line a stopped command ends with (on stderr), said by the first process only (under
+    torchrun the others are stopped when it ends: a refusal of rank 0's is the only line); returns
+    its exit status."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"{command}: {said(e)}; {kept}\n".encode())
     return status(e)
 
 

@@ -175,3 +175,16 @@ def test_sigterm_and_sighup_stop_a_command_as_ctrl_c_does_and_nohup_is_kept():
     p = python_c("import signal\nsignal.signal(signal.SIGHUP, signal.SIG_IGN)\n" + start +
                  "interrupt.started()\nos.kill(os.getpid(), signal.SIGHUP)\nprint('went on')\n")
     assert p.returncode == 0 and p.stdout == "went on\n", (p.returncode, p.stderr)
+
+
+def test_only_the_first_rank_says_it_was_stopped(monkeypatch, capfd):
+    """Under torchrun, rank 0's refusal ends the job and torchrun stops the other ranks with
+    SIGTERM: they end with 143 and say nothing (their line read as a second, contrary one)."""
+    from runs import interrupt
+    monkeypatch.setenv("RANK", "1")
+    assert interrupt.ended("verify.py", interrupt.Terminated(signal.SIGTERM)) == 143
+    assert capfd.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert interrupt.ended("verify.py", interrupt.Terminated(signal.SIGTERM)) == 143
+    said = "verify.py: stopped (SIGTERM); nothing to resume: run it again\n"
+    assert capfd.readouterr().err == said
