@@ -270,3 +270,15 @@ def test_calibrations_measured_on_some_repeats_only_take_their_median():
             {"read": 40.0, "zstd": None}]
     assert median_of(cals) == {"read": 30.0, "zstd": {"ratio": 2.0}}
     assert median_of([{"zstd": None}, {"zstd": None}]) == {"zstd": None}
+
+
+def test_batch_sizes_run_once_each_in_order_against_the_first(capsys):
+    """--batch-sizes 4,1,1: each size once, smallest first, the ratios against it and labelled so
+    (a repeated size merged a cold and a warm run; an untimed warm-up comes first)."""
+    assert bench.main(["--random-model", "tiny", "--batch-sizes", "4,1,1", "--contexts", "32",
+                       "--new-tokens", "2", "--repeats", "1", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in out.splitlines()
+            if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    assert rows == ["1", "4"], out
+    assert "| batch | ours tok/s | vs batch 1 |" in out and "| 1 | " in out, out
