@@ -282,3 +282,4 @@ def test_batch_sizes_run_once_each_in_order_against_the_first(capsys):
             if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
     assert rows == ["1", "4"], out
     assert "| batch | ours tok/s | vs batch 1 |" in out and "| 1 | " in out, out
+
