@@ -26,7 +26,7 @@ from kvcache import make_cache
 from policy import default_dense
 from pools import OffloadError
 from private import make_private_dir
-from runs.interrupt import Terminated, status
+from runs.interrupt import Terminated, install, restore, status
 from runs.monitor import fmt_bytes
 from runs.session import (
     KV_DIR,
@@ -413,14 +413,9 @@ class Chat:
                                                        continues=bool(tokens))
         if len(tokens) >= self.max_length:
             return "what is left still fills the context; /reset starts over with the document"
-        old = self.cache
-        self.cache = None
-        self.open_cache()
-        copy_prefix(old, self.cache, kept_positions(old, min(P, old.length)))
-        old.store.close()
+        self.keep_prefix(P)  # the document's KV
         self.gen += 1  # later chunks change: files of their own
         self.crcs = []
-        self.open_crc = None
         self.messages = kept
         self.segments = [[0, P, "prefill"]] if P else []
         if len(tokens) > P:
@@ -514,15 +509,11 @@ def interruptible(chat):
         if signum != signal.SIGINT:
             chat.ending = signum
     chat.stop = False
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    for s, handler in old.items():
-        if handler != signal.SIG_IGN:
-            signal.signal(s, interrupt)
+    old = install(dict.fromkeys((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), interrupt))
     try:
         yield
     finally:
-        for s, handler in old.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        restore(old)
 
 
 def repl(chat, read=input, progress=None):

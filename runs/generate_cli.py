@@ -323,11 +323,8 @@ def main(argv=None):
     here = threading.current_thread() is threading.main_thread()
     previous = {}
     if here:
-        for signum, handler in ((signal.SIGINT, stop_once), (signal.SIGTERM, interrupt.terminate),
-                                (signal.SIGHUP, interrupt.terminate)):
-            previous[signum] = signal.getsignal(signum)
-            if previous[signum] != signal.SIG_IGN:
-                signal.signal(signum, handler)
+        previous = interrupt.install({signal.SIGINT: stop_once, signal.SIGTERM: interrupt.terminate,
+                                      signal.SIGHUP: interrupt.terminate})
     try:
         return generate_main(args)
     except KeyboardInterrupt as e:
@@ -340,8 +337,7 @@ def main(argv=None):
         return interrupt.closed_stdout("generate.py")
     finally:
         remove_created_offload_dir(args)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        interrupt.restore(previous)
 
 
 def stop_once(signum, frame):

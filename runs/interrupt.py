@@ -48,6 +48,23 @@ def started():
             signal.signal(signum, handler)
 
 
+def install(handlers):
+    """{signal: handler} installed, but for a signal this process ignores (nohup's SIGHUP): it stays
+    ignored. Returns what was there, for restore()."""
+    previous = {}
+    for signum, handler in handlers.items():
+        previous[signum] = signal.getsignal(signum)
+        if previous[signum] != signal.SIG_IGN:
+            signal.signal(signum, handler)
+    return previous
+
+
+def restore(previous):
+    """install() undone."""
+    for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
 def terminate(signum, frame):
     """SIGTERM or SIGHUP: stop where the run is; a second one cannot cut short the cleanup that
     follows (a scheduler that means it sends SIGKILL)."""
