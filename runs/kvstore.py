@@ -346,7 +346,12 @@ class KVStore:
             # ENOENT: clear() took our temporary file
             if e.errno not in DISK_FULL and e.errno != errno.ENOENT:
                 raise
-            self._count(write_failures=1)
+            with self.lock:
+                first = not self.stats["write_failures"]
+                self.stats["write_failures"] += 1
+            if first and e.errno in DISK_FULL:  # said once: the run goes on, storing less
+                self.log(f"kv store {self.root}: a chunk was not stored ({e.strerror}); the run "
+                         "goes on without storing it; free space there or set --kv-store-budget")
             return 0
         self._count(bytes_written=n, stored=1)
         if self.budget is not None:

@@ -153,16 +153,20 @@ def test_damaged_entry_is_a_miss_and_is_removed(tmp_path, compress, damage):
 
 
 def test_full_disk_skips_the_entry_and_leaves_no_temporary_file(tmp_path, monkeypatch):
-    store = KVStore(tmp_path / "s")
+    said = []
+    store = KVStore(tmp_path / "s", log=said.append)
     k = keys()
 
     def disk_full(fd, data):
         os.write(fd, b"half an entry")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(kvstore, "write_all", disk_full)
-    # the run goes on without it
+    # the run goes on without it, and says so once
     assert store.write(k[0], chunks()) == 0 and store.stats["write_failures"] == 1
+    assert store.write(k[1], chunks()) == 0 and store.stats["write_failures"] == 2
     assert os.listdir(tmp_path / "s") == []
+    assert len(said) == 1 and "not stored (No space left on device)" in said[0], said
+    assert str(tmp_path / "s") in said[0] and "--kv-store-budget" in said[0]
 
     def bad_descriptor(fd, data):  # EBADF: a bug, not a full disk
         os.close(-1)
