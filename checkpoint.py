@@ -47,10 +47,12 @@ def read_json(path):
 
 
 def checkpoint_files(ckpt_dir):
-    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index
-    names."""
+    """The safetensors files of a checkpoint: one model.safetensors, or the shards an index names
+    (with both, model.safetensors, as transformers loads it)."""
     index = os.path.join(ckpt_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
+    if os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    elif os.path.exists(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: has no 'weight_map'")
@@ -60,8 +62,6 @@ def checkpoint_files(ckpt_dir):
             if "\0" in f or os.path.isabs(f) or os.path.normpath(f).split(os.sep)[0] == "..":
                 raise CheckpointError(f"{index}: shard {f!r} is outside the checkpoint directory; "
                                       "the weight_map may name files inside it only")
-    elif os.path.exists(os.path.join(ckpt_dir, "model.safetensors")):
-        files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{ckpt_dir}: no model.safetensors or model.safetensors.index.json "
                               "(only safetensors checkpoints are loaded; convert .bin files with "

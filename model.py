@@ -130,8 +130,7 @@ class ModelArgs:
             raise CheckpointError(f"{path}: num_attention_heads={n_heads} is not a multiple of "
                                   f"num_key_value_heads={n_kv}")
         head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
-        # only Llama's config classes read attention_bias and mlp_bias (Mistral and Qwen2 ignore
-        # them: Qwen2 has q, k, v biases always)
+        # attention_bias, mlp_bias: Llama's (Mistral ignores them; Qwen2 has q, k, v biases)
         attention_bias = arch == "llama" and bool(hf_config.get("attention_bias", False))
         dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
         return cls(
@@ -161,10 +160,9 @@ FAMILY_DEFAULTS = {
 
 def _sliding_window(hf_config, arch, path):
     """(W, sliding layer indices or None for all) as transformers 5.x applies a config: Mistral
-    masks every layer with sliding_window (null: none), or with layer_types (transformers then
-    reads the config as Ministral's) the layers it marks "sliding_attention"; Qwen2 slides only
-    with use_sliding_window, on the layers layer_types marks "sliding_attention" or, without
-    layer_types, on layers >= max_window_layers; Llama has no sliding window."""
+    masks every layer with sliding_window (null: none), or with layer_types (read as Ministral's)
+    those it marks "sliding_attention"; Qwen2 slides only with use_sliding_window, on the layers
+    layer_types marks or, without it, layers >= max_window_layers; Llama has no window."""
     window = hf_config.get("sliding_window")
     n_layers = hf_config["num_hidden_layers"]
     layer_types = hf_config.get("layer_types")
@@ -189,7 +187,10 @@ def _sliding_window(hf_config, arch, path):
                                   "use_sliding_window is false or sliding_window is null; set "
                                   "both, or mark every layer full_attention")
     elif arch == "qwen2":
-        sliding = tuple(range(hf_config.get("max_window_layers", 28), n_layers))
+        first = hf_config.get("max_window_layers", 28)
+        if first is None and window is not None:  # transformers compares layer indices with it
+            raise CheckpointError(f"{path}: field 'max_window_layers' is null; give a number")
+        sliding = tuple(range(first or 0, n_layers))
     if sliding is not None:
         window = window if sliding else None
     if window is not None and (not isinstance(window, int) or window < 1):

@@ -26,7 +26,8 @@ def rope_from_config(hf_config):
         # transformers 5 reads rope_scaling and drops rope_parameters (its rope_theta too)
         raise ValueError("rope_parameters and rope_scaling are both given and differ; keep one "
                          "(transformers 5.x writes rope_parameters, 4.x rope_scaling)")
-    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    # as transformers 5: rope_scaling wins, and its theta is the top-level rope_theta's
+    rope = dict(hf_config.get("rope_scaling") or hf_config.get("rope_parameters") or {})
     if "sliding_attention" in rope or "full_attention" in rope:
         raise ValueError("per-layer-type rope_parameters are not supported")
     theta = rope.pop("rope_theta", None) or hf_config.get("rope_theta") or 10000.0

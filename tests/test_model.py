@@ -4,6 +4,7 @@ itself, our fp32 logits against its fp32 logits, our greedy tokens against its g
 and fp16 logits within the dtype's own rounding of its; then bad checkpoints, each refused with a
 CheckpointError that names the file, field or tensor at fault.
 """
+import copy
 import dataclasses
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from checkpoint import CheckpointError
-from ckpt import edit_config
+from ckpt import build_checkpoint, edit_config
 from model import ModelArgs, Transformer, rope_inv_freq
 
 ATOL = 1e-4  # max abs logit difference allowed against transformers, everything in fp32
@@ -143,6 +144,20 @@ def test_parity_check_can_fail(checkpoint, case, mutate):
         mutate(ours)
         diff = (ours(tokens) - ref(tokens).logits).abs().max().item()
     assert diff > 100 * ATOL
+
+
+def test_a_single_file_beside_shards_is_what_transformers_loads(tmp_path):
+    """A checkpoint with both model.safetensors and an index of shards (other weights here): the
+    single file, as transformers loads it (we read the shards before: logits off by 10)."""
+    path = build_checkpoint(str(tmp_path / "both"), shard_size="100KB")
+    other = build_checkpoint(str(tmp_path / "other"), seed=1)
+    shutil.copy(os.path.join(other, "model.safetensors"), path)
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    ours = Transformer.from_pretrained(path)
+    tokens = random_tokens(ours.args.vocab_size)
+    with torch.no_grad():
+        assert (ours(tokens) - load_reference(path)(tokens).logits).abs().max().item() < ATOL
+        assert (ours(tokens) - load_reference(other)(tokens).logits).abs().max().item() < ATOL
 
 
 def test_checkpoints_are_what_the_cases_claim(checkpoint, pair):
@@ -398,11 +413,31 @@ def test_disagreeing_config_fields_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="rope_parameters and rope_scaling are both given "
                                               "and differ"):
         ModelArgs.from_config(hf)
-    hf["rope_scaling"] = {"type": "default"}  # the same block, as some configs carry both
-    assert ModelArgs.from_config(hf).rope_theta == 1e6
+    # the same block, as some configs carry both: transformers reads rope_scaling, and its theta
+    # from the top-level rope_theta or its default, not rope_parameters' 1e6
+    from transformers import MistralConfig
+    hf["rope_scaling"] = {"type": "default"}
+    for top in (None, 5e5):
+        if top:
+            hf["rope_theta"] = top
+        theta = MistralConfig(**copy.deepcopy(hf)).rope_parameters["rope_theta"]  # it edits hf
+        assert ModelArgs.from_config(hf).rope_theta == theta == (top or 10000.0)
     hf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(CheckpointError, match=r"quantization_config \(fp8\) marks pre-quantized"):
         ModelArgs.from_config(hf)
+
+
+def test_a_null_max_window_layers_is_refused_where_it_is_read():
+    """Qwen2's max_window_layers: null with a sliding window is one sentence (a TypeError before;
+    transformers fails too); without one it is never read, as in transformers."""
+    hf = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+          "vocab_size": 128, "max_window_layers": None, "use_sliding_window": True,
+          "sliding_window": 16}
+    with pytest.raises(CheckpointError, match="field 'max_window_layers' is null"):
+        ModelArgs.from_config(hf)
+    hf["use_sliding_window"] = False
+    assert ModelArgs.from_config(hf).sliding_window is None
 
 
 def test_a_config_that_cannot_be_read_is_named(tmp_path):
