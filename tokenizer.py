@@ -72,6 +72,8 @@ class Tokenizer:
         # otherwise
         tc_path = os.path.join(ckpt_dir, "tokenizer_config.json")
         tc = read_json(tc_path) if os.path.exists(tc_path) else {}
+        if self.kind == "json" and loads_as_llama_tokenizer(hf_config, tc, json_path):
+            llama_pipeline(self.tok, tc)
         add_bos = tc.get("add_bos_token", True)
         self.add_bos = self.kind == "spm" and add_bos and self.bos_id is not None
         # and append EOS where it says so (transformers' LlamaTokenizer)
@@ -88,6 +90,8 @@ class Tokenizer:
         self.added, special = {}, set()
         if self.kind == "spm":
             self.added, special = added_tokens(ckpt_dir, named, self.tok)
+        else:
+            add_named_tokens(self.tok, named, self.special_tokens)
         self.skip_ids = special | {self.id_of(t) for t in self.special_tokens.values()} - {None}
         # compiled on first use: a checkpoint whose template is broken still generates text
         self._template = None
@@ -364,6 +368,68 @@ def special_tokens(tc, sp=None):
             if out.get(name) is None and i >= 0:
                 out[name] = sp.IdToPiece(i)
     return {k: v for k, v in out.items() if isinstance(v, str)}
+
+
+def loads_as_llama_tokenizer(hf_config, tc, json_path):
+    """Whether transformers 5 (AutoTokenizer) loads this tokenizer.json as its LlamaTokenizer,
+    which keeps the file's vocabulary, merges, added tokens and post-processor but builds its own
+    normalizer, pre-tokenizer and decoder (llama_pipeline): a Llama model whose tokenizer_class
+    is LlamaTokenizer (Llama 2's) and whose file is not byte-level (Llama 3's is). Mistral's and
+    Qwen2's model types keep the file's own (Qwen2's class builds what its files hold)."""
+    named = tc.get("tokenizer_class") or hf_config.get("tokenizer_class") or ""
+    if hf_config.get("model_type") != "llama" or named.removesuffix("Fast") != "LlamaTokenizer":
+        return False
+    with open(json_path, encoding="utf-8", errors="replace") as f:
+        return '"ByteLevel"' not in f.read()  # as transformers tells a byte-level file
+
+
+def llama_pipeline(tok, tc):
+    """transformers 5's LlamaTokenizer (tokenization_llama.py) on a tokenizers.Tokenizer: no
+    normalizer; a Metaspace pre-tokenizer that turns spaces into "▁" and prepends one to the
+    text unless it starts with one, to its first piece only ("first": text after a special token
+    gets none), to every piece with legacy, to none with add_prefix_space false; a decoder that
+    strips the prepended space again; byte fallback. A Llama 2 tokenizer.json's own normalizer
+    prepends to every piece: other ids after a special token and for text that starts with a
+    space."""
+    from tokenizers import decoders, pre_tokenizers
+    prefix = tc.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if tc.get("legacy") else "first") if prefix else "never"
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme,
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    tok.model.byte_fallback = True
+    tok.model.fuse_unk = True
+
+
+def add_named_tokens(tok, tc, special):
+    """Add to a tokenizer.json's tokenizer what transformers adds as it loads it and the file
+    lacks: the tokens of tokenizer_config.json's added_tokens_decoder (in id order), then the
+    named special tokens (special: bos_token...; additional_special_tokens), so that their text
+    is one id and decode skips the special ones."""
+    from tokenizers import AddedToken
+    have = {t.content for t in tok.get_added_tokens_decoder().values()}
+    decl = tc.get("added_tokens_decoder") or {}
+    decl = [(int(i), d) for i, d in decl.items() if str(i).isdigit() and isinstance(d, dict)]
+    extra = tc.get("additional_special_tokens")
+    extra = [t.get("content") if isinstance(t, dict) else t for t in
+             (extra if isinstance(extra, list) else [])]
+    wanted = [(d.get("content"), d) for _, d in sorted(decl, key=lambda x: x[0])]
+    wanted += [(t, {"special": True}) for t in [*special.values(), *extra]]
+    for content, d in wanted:
+        if not isinstance(content, str) or not content or content in have:
+            continue
+        flags = {k: bool(d[k]) for k in ("lstrip", "rstrip", "normalized", "single_word")
+                 if k in d}
+        flags.setdefault("normalized", not d.get("special", False))
+        token = AddedToken(content, special=bool(d.get("special", False)), **flags)
+        if d.get("special"):
+            tok.add_special_tokens([token])
+        else:
+            tok.add_tokens([token])
+        have.add(content)
 
 
 def added_tokens(ckpt_dir, tc, sp):

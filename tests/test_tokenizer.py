@@ -265,3 +265,92 @@ def test_named_special_tokens_from_either_file_are_special(tmp_path):
     assert tok.decode(tok.encode("the fox") + [end]) == "the fox"
     assert hf.decode(tok.encode("the fox") + [end], skip_special_tokens=True) != "the fox"
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "<|begin|>hi"
+
+
+def llama2_tokenizer_json(path, config, tc):
+    """A Llama 2 style tokenizer.json, as transformers' converter writes one (a normalizer that
+    prepends "\u2581" to every piece of text between special tokens, byte fallback, a BOS
+    post-processor), trained in memory, with config.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, processors, trainers
+    tok = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=special, show_progress=False)
+    tok.train_from_iterator([line.replace(" ", "\u2581") for line in corpus()], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", 1)])
+    os.makedirs(path, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    write_json(path / "config.json", {"vocab_size": 600, "bos_token_id": 1, "eos_token_id": 2,
+                                      **config})
+    write_json(path / "tokenizer_config.json", {"bos_token": "<s>", "eos_token": "</s>",
+                                                "unk_token": "<unk>", **tc})
+    return path
+
+
+INST = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' + "
+        "m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}"
+        "{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("config,tc", [
+    ({"model_type": "llama"}, {"tokenizer_class": "LlamaTokenizerFast", "legacy": False}),
+    ({"model_type": "llama"}, {"tokenizer_class": "LlamaTokenizer"}),
+    ({"model_type": "llama"}, {"tokenizer_class": "LlamaTokenizer", "legacy": True}),
+    ({"model_type": "llama"}, {"tokenizer_class": "LlamaTokenizer", "add_prefix_space": False}),
+    ({"model_type": "mistral"}, {"tokenizer_class": "LlamaTokenizerFast", "legacy": False}),
+    ({"model_type": "llama"}, {}),
+], ids=["llama2", "no-legacy-field", "legacy", "no-prefix-space", "mistral", "no-class"])
+def test_a_llama2_tokenizer_json_gives_transformers_ids(tmp_path, config, tc):
+    """transformers 5 loads a Llama model's LlamaTokenizer tokenizer.json with a pipeline of its
+    own (Metaspace, the prefix on the text's first piece only unless legacy), a Mistral model's as
+    the file says: text after a special token and text that starts with a space got other ids here
+    (the file's normalizer), and so did every [INST] turn of a chat template."""
+    from transformers import AutoTokenizer
+    path = llama2_tokenizer_json(tmp_path / "ckpt", config, {**tc, "chat_template": INST})
+    ours = Tokenizer(str(path))
+    ref = AutoTokenizer.from_pretrained(str(path))
+    texts = [TEXT, "  two leading spaces", " ", "<s>after bos</s> and eos", "a\n the fox", ""]
+    for text in texts:
+        assert ours.encode(text) == ref(text).input_ids, text
+        assert ours.decode(ref(text).input_ids) == ref.decode(ref(text).input_ids,
+                                                             skip_special_tokens=True), text
+    chat = [{"role": "user", "content": "the quick fox"}, {"role": "assistant", "content": "a dog"},
+            {"role": "user", "content": " over"}]
+    want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ours.apply_chat_template(chat) == list(want)
+
+
+def test_tokens_named_only_in_tokenizer_config_are_added_as_transformers_adds_them(tmp_path):
+    """A tokenizer.json that lacks tokens tokenizer_config.json declares (added_tokens_decoder)
+    or names (additional_special_tokens that are plain vocabulary entries, a pad token it lacks):
+    transformers adds them as it loads, so their text is one id and decode skips the special ones;
+    we spelled them out in bytes and printed them."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from transformers import AutoTokenizer
+    path = build_tokenizer_json(tmp_path / "ckpt", bos=False)
+    data = json.loads((path / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    vocab["<|im_start|>"] = len(vocab)  # plain entries, not added tokens
+    vocab["<|im_end|>"] = len(vocab)
+    write_json(path / "tokenizer.json", data)
+    tool = {"content": "<tool>", "special": False, "lstrip": False, "rstrip": False,
+            "normalized": False, "single_word": False}
+    write_json(path / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<pad>", "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "added_tokens_decoder": {str(len(vocab)): tool}})
+    write_json(path / "config.json", {"model_type": "llama", "vocab_size": 400,
+                                      "bos_token_id": 0, "eos_token_id": 1})
+    assert HFTokenizer.from_file(str(path / "tokenizer.json")).token_to_id("<tool>") is None
+    ours = Tokenizer(str(path))
+    ref = AutoTokenizer.from_pretrained(str(path))
+    for text in ("a <tool> b", "x<|im_start|>user hi<|im_end|>", "the <pad> fox"):
+        ids = ref(text).input_ids
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert len(ours.encode("<|im_start|>")) == 1 and ours.decode(ours.encode("<tool>")) == "<tool>"
