@@ -126,7 +126,7 @@ class TieredStore(Prefetcher):
         # bytes moved between tiers, and (kvcache.py counts these) bytes of sealed chunks attention
         # read, and skipped: outside every query's sliding window, or left out by a --select
         self.bytes = {"h2d": 0, "d2h": 0, "disk_write": 0, "disk_read": 0, "disk_mapped_read": 0,
-                      "kv_read": 0, "window_skipped": 0, "select_skipped": 0}
+                      "host_read": 0, "kv_read": 0, "window_skipped": 0, "select_skipped": 0}
         self.count_lock = threading.Lock()
 
         # the device tier: each layer's open chunk, the window, its buffers (self.chunks)
@@ -219,6 +219,7 @@ class TieredStore(Prefetcher):
             return self.resident[key]
         if not self.staged:  # CPU: read in place, host pool or mapped file
             if where is not DISK:
+                self.count("host_read", self.chunk_bytes)  # read by attention in place
                 return self.host.slots[where.slot]
             self.written[key].result()  # its write must have landed in the mapping
             # read by attention itself, page cache or disk

@@ -123,6 +123,7 @@ class Prefetcher:
                 self.count("disk_read", self.disk.read_into(l, j, dst))
             else:  # a host-pool chunk in front of a zstd disk tier (numpy copies: see disk.py)
                 as_bytes(dst)[:] = as_bytes(self.host.slots[where.slot])
+                self.count("host_read", self.chunk_bytes)
             return
         bounce = self.read_bounces.slots[slot]
         self.staging.ready[slot].synchronize()  # rule 4: the last copy out of this bounce is done

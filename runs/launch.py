@@ -100,14 +100,22 @@ def from_leader(obj, layout):
     return box[0]
 
 
+def gather_to_zero(obj, layout):
+    """Every rank's obj on global rank 0, in rank order; None elsewhere (a collective: every rank
+    calls it)."""
+    if layout.world == 1:
+        return [obj]
+    everyone = [None] * layout.world if layout.rank == 0 else None
+    dist.gather_object(obj, everyone, dst=0)
+    return everyone
+
+
 def batch_totals(totals, layout):
     """Every replica leader's totals meet on global rank 0 (a collective: every rank calls it).
     Returns (summed totals, list of per-replica totals) on rank 0, (None, None) elsewhere."""
     if layout.world == 1:
         return totals, [totals]
-    mine = totals if layout.is_leader else None
-    everyone = [None] * layout.world if layout.rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
+    everyone = gather_to_zero(totals if layout.is_leader else None, layout)
     if layout.rank != 0:
         return None, None
     shares = [t for t in everyone if t is not None]

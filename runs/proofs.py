@@ -50,7 +50,7 @@ from runs.flags import (
 )
 from runs.monitor import fmt_bytes
 from runs.task import run_task
-from runs.tp import agree_min, broadcast_token
+from runs.tp import broadcast_token
 from tokenizer import load_tokenizer
 
 OFFLOAD_MODES = [m for m in MODE_SPECS if m != "none"]
@@ -286,11 +286,17 @@ def run(args):
         if len(ids) < 1:
             raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
                              "model's context")
-        if len(ids) + args.max_new_tokens <= args.chunk_size * (args.window + 1):
+        # the last token is never fed back, and a chunk that leaves the device must be read after
+        if len(ids) + args.max_new_tokens - 1 <= args.chunk_size * (args.window + 1):
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device "
                              f"window ({args.window} chunks of {args.chunk_size} plus the open "
-                             "one): nothing would be offloaded, so nothing would be verified; "
-                             "lower --chunk-size or --window")
+                             "one): nothing would be offloaded and read back, so nothing would be "
+                             "verified; lower --chunk-size or --window")
+        if kv_store and len(ids) - 1 < args.chunk_size:  # one prompt token is always computed
+            raise UsageError(f"--kv-store: the prompt ({len(ids)} tokens) holds no whole chunk of "
+                             f"--chunk-size {args.chunk_size} before its last token, so nothing "
+                             "would be stored and reused; lower --chunk-size or give a longer "
+                             "prompt")
         model = launch.load(args.ckpt, layout, args.device, DTYPES[args.dtype], rope_override(args),
                             quantize_mode(args))
         share = None  # under tensor parallelism rank 0's token is everyone's
@@ -340,6 +346,11 @@ def run(args):
                      "chunks_read_per_decode_step": st["chunks_read_per_decode_step"],
                      "reused_tokens": st.get("reused_tokens", 0),
                      "speculation": st.get("speculation")}
+    # a mode whose tier was never read back proves nothing (a sliding window that hides every
+    # chunk that left, --cpu-budget holding every chunk a disk mode had to write)
+    unread = [m for m in modes if not tier_read(m, runs[m][2]["bytes"])]
+    for m in unread:
+        report[m]["bit_identical"] = None
     for m, (task_diffs, sizes, _) in batched.items():
         # every task its own bits, in decode steps of every size from 1 to --batch
         ok &= all(d is None for d in task_diffs) and not missing_sizes(args.batch, sizes)
@@ -354,14 +365,22 @@ def run(args):
              and args.select == "all")
     if exact:
         ok &= ref_ok
-    ok = bool(agree_min(int(ok), layout))  # under torchrun: every rank's share must pass
+    # under torchrun: every rank's share must pass, each replica's too
+    first = next((f"{m}: step {d[0]} ({d[2]}, position {d[1]}): {d[3]}"
+                  for m, d in diffs.items() if d), None)
+    ranks = launch.gather_to_zero({"mismatch": not ok, "unread": unread, "first": first}, layout)
     launch.finish(layout)
     if layout.rank != 0:  # one report, from rank 0
-        return 0 if ok else 1
+        return 1 if not ok else 2 if unread else 0
+    failed = {r: v for r, v in enumerate(ranks) if r and (v["mismatch"] or v["unread"])}
+    mismatch = not ok or any(v["mismatch"] for v in failed.values())
+    unread = sorted({*unread, *(m for v in failed.values() for m in v["unread"])})
+    ok = not mismatch and not unread
     if args.json:
         unchunked = {"greedy_ids_equal": ref_ok, "top1_agreement": agree,
                      "max_abs_logit_diff": ref_diff}
-        print(json.dumps({"ok": ok, "ranks": layout.world, "prompt_tokens": len(ids),
+        print(json.dumps({"ok": ok, "ranks": layout.world, "failed_ranks": sorted(failed),
+                          "not_proven": unread, "prompt_tokens": len(ids),
                           "chunk_size": args.chunk_size, "window": args.window,
                           "kv_dtype": args.kv_dtype, "select": select_fields(args),
                           "modes": report, "unchunked": unchunked,
@@ -371,11 +390,21 @@ def run(args):
                           "rowwise": [{"what": w, "rows": r, "one_call": one}
                                       for w, r, one in decisions()]}))
     else:
-        print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok)
-    return 0 if ok else 1
+        print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok, unread,
+                     failed)
+    return 1 if mismatch else 2 if unread else 0
 
 
-def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok):
+def tier_read(mode, moved):
+    """Whether a run in `mode` read chunks back from the tier the mode puts them in (moved: its
+    bytes counters)."""
+    if mode == "cpu":
+        return moved["host_read"] + moved["h2d"] > 0
+    return moved["disk_read"] + moved["disk_mapped_read"] > 0
+
+
+def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok, unread=(),
+                 failed=None):
     """The table verify.py prints: a row per mode, the unchunked comparison, any mismatch."""
     ranks = ""
     if layout.world > 1:
@@ -399,6 +428,8 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
             verdict = "reference"
         elif m == "sampled":
             verdict = f"reference, T={SAMPLED_T}"
+        elif r["bit_identical"] is None:
+            verdict = "NOT PROVEN"
         else:
             verdict = "bit-identical" if r["bit_identical"] else "DIFFERENT"
         read = fmt_bytes(b["disk_read"] + b["disk_mapped_read"])
@@ -445,6 +476,15 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
     if batched:
         print("rowwise.py, per operation the row counts (tasks x positions) checked: "
               + "; ".join(f"{what}: {rows}" for what, rows in rowwise_summary().items()))
+    for m in unread:
+        print(f"NOT PROVEN {m}: no chunk was read back from its tier (chunks dev/host/disk above: "
+              "none left the device, a sliding window hid every chunk that left, or --cpu-budget "
+              "kept a disk mode's chunks in host memory); raise --max-new-tokens or the prompt, "
+              "or lower --chunk-size or --window")
+    for r, v in (failed or {}).items():
+        if v["mismatch"]:
+            where = v["first"] or "a batch task or the unchunked model (see that rank's own run)"
+            print(f"MISMATCH on rank {r}: {where}")
     everywhere = f" on all {layout.world} ranks" if layout.world > 1 else ""
     print(f"OK: every mode is bit-identical to --offload none{everywhere}" if ok else "FAILED")
 

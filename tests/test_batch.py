@@ -751,8 +751,8 @@ def test_offload_not_in_effect_alert(tmp_path, store):
     assert trace_alerts(tmp_path / "trace.jsonl") == ["offload_not_in_effect"]
 
 
-BYTES_KEYS = {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read", "kv_read",
-              "window_skipped", "select_skipped"}
+BYTES_KEYS = {"h2d", "d2h", "disk_write", "disk_read", "disk_mapped_read", "host_read",
+              "kv_read", "window_skipped", "select_skipped"}
 
 
 def test_real_run_raises_no_alert_and_traces_every_step(lm, ids_and_reference, tmp_path):

@@ -250,6 +250,44 @@ def test_verify_names_the_first_differing_step(text_ckpt, tmp_path, monkeypatch,
     assert "FAILED" in out, out
 
 
+def test_verify_refuses_or_withholds_a_proof_that_read_no_tier(text_ckpt, tmp_path, capsys):
+    """Chunks that leave the device but are never read back prove nothing: a prompt and output
+    that fill the window and seal one chunk more after the last step fed (the last token is never
+    fed back), a --kv-store prompt with no whole chunk to store, and a disk mode whose chunks
+    --cpu-budget keeps in host memory (NOT PROVEN, exit 2); each passed as bit-identical."""
+    ids = load_tokenizer(text_ckpt).encode(TEXT * 20)
+    C, W = 16, 1
+    prompt = tmp_path / "p.txt"
+    prompt.write_text(TEXT * 20)
+    base = ["--ckpt", text_ckpt, "--chunk-size", str(C), "--window", str(W), "--prompt-file",
+            str(prompt), "--offload-dir", str(tmp_path)]
+    assert len(ids) > 40
+    # 25 + 8 = C * (W + 1) + 1: the chunk that leaves seals after the last step
+    rc = proofs.main(base + ["--modes", "cpu", "--max-prompt-tokens", "25",
+                             "--max-new-tokens", "8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nothing would be offloaded and read back" in err, err
+    rc = proofs.main(base + ["--modes", "cpu", "--max-prompt-tokens", "26",
+                             "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "OK: every mode" in out, out  # one token more: the chunk is read
+    rc = proofs.main(base + ["--modes", "cpu", "--max-prompt-tokens", "16",
+                             "--max-new-tokens", "40", "--kv-store", str(tmp_path / "store")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--kv-store: the prompt (16 tokens) holds no whole chunk" in err, err
+    rc = proofs.main(base + ["--modes", "cpu,disk", "--max-prompt-tokens", "60",
+                             "--max-new-tokens", "8", "--cpu-budget", "1", "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert rc == 2 and not r["ok"] and r["not_proven"] == ["disk"], r
+    assert r["modes"]["disk"]["chunks"]["disk"] == 0 and r["modes"]["disk"]["bit_identical"] is None
+    assert r["modes"]["cpu"]["bit_identical"] and r["modes"]["cpu"]["bytes"]["host_read"] > 0
+    rc = proofs.main(base + ["--modes", "disk", "--max-prompt-tokens", "60",
+                             "--max-new-tokens", "8", "--cpu-budget", "1"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "NOT PROVEN disk: no chunk was read back" in out, out
+    assert "disk                     NOT PROVEN" in out and "FAILED" in out, out
+
+
 # -----------------------------------------------------------------------------
 # what a user is told
 

@@ -80,6 +80,41 @@ def test_tensor_parallel_generate_and_verify(text_ckpt, tmp_path, capsys):
     assert v.stdout.count(verdict) == 1, v.stdout
 
 
+ONE_RANK_FLIPS = """
+import os, sys
+sys.path.insert(0, {root!r})
+from offload import TieredStore
+from pools import DEVICE
+from runs import launch, proofs
+real = TieredStore.load
+
+
+def load(self, layer, j):  # rank 1's host tier flips one bit of V as it is read back
+    kv = real(self, layer, j)
+    if os.environ["RANK"] == "1" and self.loc[(layer, j)] is not DEVICE:
+        kv = kv.clone()
+        kv[1].view(-1)[0] = -kv[1].view(-1)[0]
+    return kv
+
+
+TieredStore.load = load
+launch.exit(proofs.main(sys.argv[1:]))
+"""
+
+
+def test_verify_under_torchrun_fails_when_one_replica_differs(text_ckpt, tmp_path):
+    """--tp 1: two replicas, each verifying its own share; a difference on rank 1 alone is rank 0's
+    verdict too (rank 0 printed OK on all 2 ranks, and "ok": true)."""
+    script = tmp_path / "flip_on_rank1.py"
+    script.write_text(ONE_RANK_FLIPS.format(root=ROOT))
+    v = torchrun(str(script), "--tp", 1, "--ckpt", text_ckpt, "--max-new-tokens", 6,
+                 "--chunk-size", 16, "--window", 1, "--max-prompt-tokens", 120, "--modes", "cpu",
+                 "--offload-dir", tmp_path / "voff", "--json")
+    assert v.returncode != 0, v.stdout + v.stderr
+    r = json.loads(v.stdout.strip().splitlines()[-1])
+    assert not r["ok"] and r["failed_ranks"] == [1] and r["modes"]["cpu"]["bit_identical"], r
+
+
 TASKS = [{"id": f"t{i}", "prompt": TEXT * (1 + i % 3), "max_new_tokens": 40} for i in range(6)]
 
 
