@@ -53,7 +53,7 @@ from attention import (
 from fewrows import few_rows_kernel, prepare
 from kvlayout import chunk_layout
 from offload import TieredStore
-from policy import Exact, make_selection
+from policy import PLACEMENTS, Exact, make_selection
 from pools import GROUP_CHUNKS
 
 EXACT = Exact()  # what every prefill step reads: every visible chunk
@@ -320,7 +320,8 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
     G = shape[2]
     store = TieredStore(shape=shape, dtype=layout.dtype, n_layers=model_args.n_layers,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path,
-                        restore=restore, on_durable=on_durable, arena=arena)
+                        restore=restore, on_durable=on_durable, arena=arena,
+                        placement=PLACEMENTS[cfg.placement]())
     if selection is None:
         selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
                                    model_args.n_layers, cfg.select_dense)

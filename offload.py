@@ -86,6 +86,7 @@ class OffloadConfig:
     select: str = "all"
     select_budget: Optional[int] = None
     select_dense: Optional[int] = None
+    placement: str = "default"  # where a chunk that leaves the device goes (policy.PLACEMENTS)
 
 
 # -----------------------------------------------------------------------------
@@ -297,6 +298,11 @@ class TieredStore(Prefetcher):
         tier = self.placement.place(l, j, bool(self.host.free), self.disk is not None)
         if tier is None:
             raise OffloadError("the host tier is full; raise --cpu-budget or use --offload disk")
+        usable = {"host": bool(self.host.free), "disk": self.disk is not None}
+        if not usable.get(tier):  # a placement's mistake, named
+            why = {"host": "has no free slot", "disk": "is not in use (--offload disk)"}
+            raise OffloadError(f"{type(self.placement).__name__}.place put chunk {j} of layer {l} "
+                               f"on {tier!r}, which {why.get(tier, 'is not a tier')}")
         kv = self.resident.pop((l, j))
         self.on_device[l].remove(j)
         fence = Fence()

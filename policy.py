@@ -19,6 +19,8 @@ way, so verify.py's proof extends to it.
 To try a new selection, subclass Sparse, give it a `name` and write `pick` (see Quest: about
 fifteen lines). Defining the class registers it: `--select NAME --select-budget N` of generate.py,
 verify.py and tools/longeval.py, their help texts and their error messages all read SELECTIONS.
+A new placement is the same: subclass Placement, give it a `name`, write `place`; `--placement
+NAME` uses it (PLACEMENTS).
 
 Shapes: B batch, G kv heads, R query heads per kv head, D head dim, C chunk size, n chunks.
 """
@@ -33,6 +35,12 @@ SELECT_FIELDS = ("select", "select_budget", "select_dense")
 # every selection by its --select name, in the order the classes are defined: a class with a
 # `name` registers itself (Exact.__init_subclass__)
 SELECTIONS = {}
+# every placement by its --placement name, the same way (Placement.__init_subclass__)
+PLACEMENTS = {}
+
+
+class PolicyError(ValueError):
+    """A policy class's mistake (a pick past its budget), named with the class: one sentence."""
 
 
 # -----------------------------------------------------------------------------
@@ -67,7 +75,8 @@ class Exact:
 
     def summarize(self, layer, j, keys):
         """Chunk j of `layer` has sealed with these keys [B, G, C, D]: keep what `visits` will
-        need of it (nothing here)."""
+        need of it (nothing here). The keys are a view of a buffer the store reuses once the
+        chunk leaves the device: keep a copy (or a reduction), never the view."""
 
 
 SELECTIONS["all"] = Exact  # the subclasses register themselves
@@ -110,10 +119,15 @@ class Sparse(Exact):
             return None
         candidates = [j for j in range(first, n_sealed) if j not in keep]
         k = self.budget_chunks - 1
-        picked = set(self.pick(layer, candidates, k, q))
-        if len(picked) > k or not picked <= set(candidates):  # a new policy's mistake, said here
-            raise ValueError(f"{type(self).__name__}.pick returned {sorted(picked)}: give at most "
-                             f"{k} of the candidates {candidates}")
+        got = self.pick(layer, candidates, k, q)
+        try:
+            picked = set(got)
+        except TypeError:  # None, a number: not chunks
+            picked = None
+        if picked is None or len(picked) > k or not picked <= set(candidates):  # said here
+            said = sorted(picked) if picked is not None else repr(got)
+            raise PolicyError(f"{type(self).__name__}.pick returned {said}: give a set or list of "
+                             f"at most {k} of the candidates {candidates}")
         return sorted(keep | picked)
 
     def pick(self, layer, candidates, k, q):
@@ -233,6 +247,13 @@ class Placement:
     """The device window holds the `window` most recent sealed chunks of each layer; the chunk
     that falls out goes to the host pool while it has a free slot, then to disk."""
 
+    name = "default"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:  # a class that names itself is a --placement choice
+            PLACEMENTS[cls.name] = cls
+
     def evict(self, layer, on_device, window):
         """on_device: the layer's sealed chunks on the device, ascending, the one just sealed
         last. The chunk to move off the device now, or None."""
@@ -241,12 +262,16 @@ class Placement:
         return on_device[0]
 
     def place(self, layer, j, host_free, has_disk):
-        """'host' or 'disk' for chunk j of `layer`, or None when neither can take it."""
+        """'host' or 'disk' for chunk j of `layer`, or None when neither can take it (the store
+        refuses a tier it does not have: 'host' when the pool is full, 'disk' without one)."""
         if host_free:
             return "host"
         if has_disk:
             return "disk"
         return None
+
+
+PLACEMENTS["default"] = Placement  # subclasses register themselves
 
 
 # -----------------------------------------------------------------------------

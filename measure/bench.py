@@ -60,10 +60,10 @@ from runs.flags import (
     ROOT,
     UsageError,
     one_line_errors,
+    policy_fields,
     quantize_mode,
     remove_created_offload_dir,
     rope_override,
-    select_fields,
     set_threads,
 )
 from runs.monitor import host_memory
@@ -90,7 +90,7 @@ def run_ours(model, ids, args, mode, tag, new_tokens=None):
     cfg = OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir,
                         compress=compress, cpu_budget_gib=args.cpu_budget,
                         staging_slots=args.staging_slots,
-                        group_buffers=args.group_buffers, **select_fields(args))
+                        group_buffers=args.group_buffers, **policy_fields(args))
     marks = []  # when the first token was sampled, then when each decode step ended
 
     def on_token(out):
@@ -269,7 +269,7 @@ def run_fresh(args, mode, ctx, new):
     keep = ("ckpt", "device", "dtype", "quantize", "group_size", "kv_dtype", "chunk_size", "window",
             "offload_dir", "cpu_budget", "staging_slots", "rope_scaling", "rope_factor",
             "rope_orig_ctx", "contexts", "new_tokens", "threads", "attention", "products",
-            "select", "select_budget", "select_dense", "group_buffers")
+            "select", "select_budget", "select_dense", "placement", "group_buffers")
     flags = []
     for k in keep:
         if getattr(args, k) is not None:

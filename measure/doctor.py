@@ -42,7 +42,9 @@ from runs.flags import (
     check_ckpt_dir,
     check_common,
     one_line_errors,
+    policy_fields,
     read_model_args,
+    select_fields,
     set_threads,
 )
 from runs.monitor import fmt_bytes, mem_available
@@ -251,11 +253,14 @@ def check_run(args, model, model_args, skip):
     max_new = args.max_new_tokens
     C = args.chunk_size
     try:
+        # with the run's own --select (every mode reads what it picks) and --placement
         cfg = OffloadConfig(mode=args.offload, window=args.window, offload_dir=args.offload_dir,
                             compress=args.compress, cpu_budget_gib=args.cpu_budget,
                             staging_slots=args.staging_slots,
-                            group_buffers=args.group_buffers)
-        base = verify.run_mode(model, ids, max_new, C, OffloadConfig(), args.kv_dtype)
+                            group_buffers=args.group_buffers, **policy_fields(args))
+        base = verify.run_mode(model, ids, max_new, C,
+                               OffloadConfig(window=args.window, **select_fields(args)),
+                               args.kv_dtype)
         run = verify.run_mode(model, ids, max_new, C, cfg, args.kv_dtype)
     except Exception as e:  # what the user's run would meet: reported as the cause, one line
         return [(True, "no bytes moving", f"a short run with this configuration failed: {e}",

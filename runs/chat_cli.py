@@ -31,12 +31,12 @@ from runs.flags import (
     decode_kernels,
     one_line_errors,
     open_kv_store,
+    policy_fields,
     quantize_mode,
     read_model_args,
     remove_if_empty,
     rope_override,
     run_fingerprint,
-    select_fields,
     set_threads,
     text_out,
 )
@@ -289,7 +289,7 @@ def setup(args):
         cfg = OffloadConfig(mode=args.offload, window=args.window, cpu_budget_gib=args.cpu_budget,
                             compress=args.compress, staging_slots=args.staging_slots,
                             group_buffers=args.group_buffers,
-                            **select_fields(args))
+                            **policy_fields(args))
         trace = open_trace(args.trace) if args.trace else None
         chat = Chat(model, tok, path, settings, cfg, max_length, args.max_new_tokens, s,
                     log=print_err, write=write_out, trace=trace)

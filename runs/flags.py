@@ -16,7 +16,7 @@ from checkpoint import read_config
 from kvlayout import KV_DTYPES, chunk_layout
 from model import ModelArgs
 from offload import OffloadConfig
-from policy import SELECT_FIELDS, SELECTIONS, budgeted, summary
+from policy import PLACEMENTS, SELECT_FIELDS, SELECTIONS, budgeted, summary
 from private import PrivateError, create_private, make_private_dir
 from quantize import (
     INT4_DEFAULT_GROUP_SIZE,
@@ -158,6 +158,10 @@ def add_common_flags(p, chunk_size, window, ckpt_help=CKPT_HELP):
     p.add_argument("--select-dense", type=int, metavar="N",
                    help="with --select: the first N layers read every chunk (default: Quest's 2 "
                    "of 32 layers, scaled to the model: max(1, round(layers / 16)))")
+    p.add_argument("--placement", choices=list(PLACEMENTS), default="default",
+                   help="where a chunk that leaves the device goes (policy.py): "
+                   + "; ".join(f"{name}: {summary(cls)}" for name, cls in PLACEMENTS.items())
+                   + ". Output is the same whichever")
 
 
 def check_common(args, needs_disk):
@@ -260,6 +264,11 @@ def print_err(message):
 def select_fields(args):
     """OffloadConfig's selection fields, from --select, --select-budget and --select-dense."""
     return {field: getattr(args, field) for field in SELECT_FIELDS}
+
+
+def policy_fields(args):
+    """OffloadConfig's fields that policy.py's classes decide: the selection's and --placement."""
+    return {**select_fields(args), "placement": args.placement}
 
 
 def open_kv_store(args, log=None):

@@ -26,7 +26,7 @@ from generate import MIN_TEMPERATURE, SEED_LIMIT, Sampling
 from kvbatch import make_arena
 from kvlayout import kv_chunk_bytes
 from offload import COMPRESSIONS, MODES, OffloadConfig
-from policy import SELECT_FIELDS, host_budget_refusal, plan_tiers
+from policy import SELECT_FIELDS, PolicyError, host_budget_refusal, plan_tiers
 from pools import OffloadError
 from quantize import int4_fallbacks
 from rope import context_refusal, rope_override_note
@@ -46,13 +46,13 @@ from runs.flags import (
     check_shapes,
     one_line_errors,
     open_kv_store,
+    policy_fields,
     print_err,
     quantize_mode,
     read_model_args,
     remove_created_offload_dir,
     rope_override,
     run_fingerprint,
-    select_fields,
     set_threads,
     text_out,
 )
@@ -266,7 +266,7 @@ def resolve(args):
                         offload_dir=args.offload_dir, compress=args.compress,
                         keep_files=args.keep_cache, staging_slots=args.staging_slots,
                         group_buffers=args.group_buffers,
-                        **select_fields(args))
+                        **policy_fields(args))
     return cfg, text
 
 
@@ -465,7 +465,7 @@ def generate_main(args):
             "max_context": model.args.max_context, "rope_scaling": model.args.rope_scaling or None,
             "rope_override": bool(args.rope_scaling),
             "tp": layout.tp, "replicas": layout.n_replicas,
-            **{field: getattr(cfg, field) for field in SELECT_FIELDS},
+            **{field: getattr(cfg, field) for field in SELECT_FIELDS}, "placement": cfg.placement,
             "speculate": args.speculate or (args.draft and f"draft:{args.speculate_k}"),
         }
     except (UsageError, CheckpointError, OffloadError, TaskDirError, ValueError) as e:
@@ -610,7 +610,7 @@ def single(args, text, cfg, monitor, run_one, tokenizer, speak=True):
         return 2
     except BrokenPipeError:  # stdout's reader is gone: main says so
         raise
-    except (UsageError, OffloadError, OutputError, OSError) as e:
+    except (UsageError, OffloadError, OutputError, OSError, PolicyError) as e:
         task_dir = os.path.join(args.offload_dir, safe_task_name("0"))
         kept = ""
         if cfg.mode == "disk" and os.path.isdir(task_dir):

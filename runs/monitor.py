@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from policy import plan_tiers
+from policy import SELECTIONS, plan_tiers
 from private import PrivateError, open_private, what_is_wrong
 
 STATUS_FIELDS = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}  # /proc/self/status -> ours
@@ -265,6 +265,8 @@ class Monitor:
         the first chunk and the window, covers the context): the output is exact attention's. Said
         once, with the fix, as context_stayed_on_device says it of offload."""
         if cfg.select == "all" or not stats["decoded_tokens"] or stats["bytes"]["select_skipped"]:
+            return
+        if SELECTIONS[cfg.select].reads_all:  # it reads every chunk by design, merges a choice
             return
         sealed = (positions - 1) // chunk_size  # per layer, at the last decode step
         budget = (f"the budget of {cfg.select_budget} tokens, the first chunk and the window "

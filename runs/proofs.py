@@ -39,6 +39,7 @@ from runs.flags import (
     check_common,
     one_line_errors,
     open_kv_store,
+    policy_fields,
     print_err,
     quantize_mode,
     read_model_args,
@@ -64,7 +65,7 @@ def mode_config(mode, args):
     return OffloadConfig(mode=offload, window=args.window, offload_dir=args.offload_dir,
                          compress=compress, cpu_budget_gib=args.cpu_budget,
                          staging_slots=args.staging_slots,
-                         group_buffers=args.group_buffers, **select_fields(args))
+                         group_buffers=args.group_buffers, **policy_fields(args))
 
 
 def run_as_task(model, ids, max_new, mode, args, kv_store=None, fingerprint=None, layout=None,
@@ -455,9 +456,12 @@ def print_report(args, layout, ids, report, batched, ref_ok, agree, ref_diff, ok
     for m, r in report.items():
         if r["first_difference"]:
             step, pos, phase, what = r["first_difference"]
+            mine = (f", or --select {args.select} keeping a view of the keys its summarize is "
+                    "handed (the store reuses that buffer: keep a copy)"
+                    if args.select != "all" else "")
             print(f"MISMATCH {m}: step {step} ({phase}, position {pos}): {what}. Likely "
                   "causes: a chunk read back at the wrong position or from a stale slot (a "
-                  "missing stream wait), or a dtype change across tiers.")
+                  f"missing stream wait), or a dtype change across tiers{mine}.")
     for m, (diffs, sizes, grid) in batched.items():
         same = sum(d is None for d in diffs)
         shared = f"; {grid} layer steps attended every task's chunks in one call" if grid else ""

@@ -56,8 +56,9 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
-def parse_policies(text):
-    """'all,quest:1024' -> [('all', None), ('quest', 1024)]."""
+def parse_policies(text, chunk_size):
+    """'all,quest:1024' -> [('all', None), ('quest', 1024)]; a budget is whole tokens, at least
+    one chunk (refused before the model loads, not after the first policies ran)."""
     out = []
     for item in text.split(","):
         name, _, budget = item.strip().partition(":")
@@ -66,6 +67,9 @@ def parse_policies(text):
             spelled = [f"{n}:TOKENS" if c.takes_budget else n for n, c in SELECTIONS.items()]
             raise SystemExit(f"longeval.py: error: --policies: {item!r} is not one of "
                              f"{', '.join(spelled)}")
+        if budget and not (budget.isdigit() and int(budget) >= chunk_size):
+            raise SystemExit(f"longeval.py: error: --policies: {item!r}: the budget must be a "
+                             f"whole number of tokens, at least one chunk ({chunk_size})")
         out.append((name, int(budget) if budget else None))
     return out
 
@@ -186,7 +190,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.depths = [float(d) for d in args.depths.split(",")]
-    policies = parse_policies(args.policies)
+    policies = parse_policies(args.policies, args.chunk_size)
     if ("all", None) not in policies:
         policies.insert(0, ("all", None))
     if args.threads:
