@@ -337,22 +337,34 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
     deferred = []  # tasks another process was running: tried again once the others are done
 
     def one(task, last_try=False):
+        said = False
         try:
-            if layout.tp == 1 and results.has(task["id"]):  # a second process on this --output
-                log(f"task {task['id']}: already in {args.output} (another process ran it); "
-                    "skipped")
-                return
-            # the result is in the file before the task's disk tier goes (run_task's deliver)
-            deliver = results.append if layout.is_leader else None
-            try:
-                result = with_fallbacks(task, args, cfg, run_one, log, deliver)
-            except TaskDirError as e:  # another process runs this task now (another job)
-                if e.holder is None or layout.tp > 1 or last_try:
-                    raise
-                log(f"task {task['id']}: process {e.holder} runs it now (another job on this "
-                    "--offload-dir); tried again after the other tasks")
-                deferred.append(task)
-                return
+            while True:
+                if layout.tp == 1 and results.has(task["id"]):  # a second process on --output
+                    log(f"task {task['id']}: already in {args.output} (another process ran it); "
+                        "skipped")
+                    return
+                # the result is in the file before the task's disk tier goes (run_task's deliver)
+                deliver = results.append if layout.is_leader else None
+                try:
+                    result = with_fallbacks(task, args, cfg, run_one, log, deliver)
+                    break
+                except TaskDirError as e:  # another process runs this task now (another job)
+                    if e.holder is None or layout.tp > 1:
+                        raise
+                    if not last_try:
+                        log(f"task {task['id']}: process {e.holder} runs it now (another job on "
+                            "this --offload-dir); tried again after the other tasks")
+                        deferred.append(task)
+                        return
+                    if not said:  # the other tasks are done: wait for its result or its end
+                        log(f"task {task['id']}: process {e.holder} still runs it; waiting for "
+                            "it to finish")
+                        said = True
+                    if stop is not None and stop.wait(0.5):
+                        return  # Ctrl-C: the summary says what is left
+                    if stop is None:
+                        time.sleep(0.5)
             stats = {**result["stats"], "prompt_tokens": result["prompt_tokens"]}
             monitor.task_finished(task["id"], stats)
         except Exception as e:

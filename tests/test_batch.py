@@ -312,6 +312,40 @@ def test_a_task_another_job_runs_is_tried_again_not_failed(text_ckpt, tmp_path, 
     assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
 
 
+def test_a_task_another_job_still_runs_at_the_end_is_waited_for(text_ckpt, tmp_path, capsys,
+                                                               monkeypatch):
+    """The other job still holds the task when this one has done the rest: it waits for that
+    job's result (the task was counted FAILED and the job exited 1 though the other job wrote
+    it)."""
+    import threading
+
+    from runs import batch
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT, TASKS[0]])
+    output = tmp_path / "results.jsonl"
+    other = TaskDir(str(tmp_path / "off"), "short")  # the other job, running "short"
+    with_fallbacks = batch.with_fallbacks
+    tries = []
+
+    def finish():  # the other job, a second later: its result, then its directory goes
+        with open(output, "a") as f:
+            f.write(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
+        other.close(remove=True)
+
+    def later(task, *args):
+        if task["id"] == "short":
+            tries.append(1)
+            if len(tries) == 2:  # the last try, after "t0": the other job ends soon
+                threading.Timer(1.0, finish).start()
+        return with_fallbacks(task, *args)
+    monkeypatch.setattr(batch, "with_fallbacks", later)
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK,
+                                  "--batch-size", 1), capsys)
+    assert rc == 0 and "FAILED" not in err, err
+    assert f"task short: process {os.getpid()} still runs it; waiting for it" in err, err
+    assert "task short: already in" in err and len(tries) >= 3, err
+    assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
+
+
 def test_two_writers_of_one_results_file_write_a_task_once(tmp_path):
     """Two jobs on one --output (two processes, as two Results): what one appended, the other
     sees before it starts the task and before it appends its own line."""
