@@ -300,6 +300,20 @@ class Results:
         os.close(self.fd)
 
 
+def remove_leftover(offload_dir, task_id, output, log):
+    """Remove the directory of a task whose result is in `output` already: a run killed between
+    writing the result and removing the directory left it (GBs of disk tier), and no rerun runs
+    that task again. One another process holds is left to it."""
+    if not os.path.isdir(os.path.join(offload_dir, safe_task_name(task_id))):
+        return
+    try:
+        taskdir = TaskDir(offload_dir, task_id)
+    except TaskDirError:
+        return
+    taskdir.close(remove=True)
+    log(f"task {task_id}: its result is in {output}; removed its leftover {taskdir.path}")
+
+
 def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None):
     """Run every task not yet in the output; returns the exit code (0 only if every task
     succeeded). Under torchrun (layout) each replica runs its share of the tasks (launch.my_tasks)
@@ -322,6 +336,10 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
     if len(todo) < len(tasks):
         log(f"{len(tasks) - len(todo)} of {len(tasks)} tasks already in {args.output}; "
             "skipping them")
+    if layout.tp == 1:  # a result written, its task killed before its directory went
+        for t in tasks:
+            if t["id"] in results.done:
+                remove_leftover(args.offload_dir, t["id"], args.output, log)
     # the ranks of a replica run the same list
     todo = launch.from_leader(launch.my_tasks(todo, layout), layout)
     if layout.n_replicas > 1:

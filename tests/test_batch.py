@@ -346,6 +346,21 @@ def test_a_task_another_job_still_runs_at_the_end_is_waited_for(text_ckpt, tmp_p
     assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
 
 
+def test_a_finished_tasks_leftover_directory_is_removed(text_ckpt, tmp_path, capsys):
+    """Killed after a task's result was written but before its directory went: the rerun skips
+    the task and removes the directory (it stayed for good, a disk tier's worth)."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT])
+    output = tmp_path / "results.jsonl"
+    output.write_text(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
+    left = TaskDir(str(tmp_path / "off"), "short")
+    with open(os.path.join(left.path, "layer0.kv"), "wb") as f:
+        f.write(b"\0" * 4096)
+    left.close(remove=False)
+    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK), capsys)
+    assert rc == 0 and "task short: its result is in" in err and "removed its leftover" in err, err
+    assert not os.path.exists(left.path) and os.listdir(tmp_path / "off") == []
+
+
 def test_two_writers_of_one_results_file_write_a_task_once(tmp_path):
     """Two jobs on one --output (two processes, as two Results): what one appended, the other
     sees before it starts the task and before it appends its own line."""
