@@ -258,7 +258,10 @@ def set_threads(args, watch=None, log=None):
 
 
 def print_err(message):
-    print(message, file=sys.stderr, flush=True)
+    """One line on stderr, written in one call: lines of a batch's task threads never run
+    together (print writes the text and its newline apart)."""
+    sys.stderr.write(f"{message}\n")
+    sys.stderr.flush()
 
 
 def select_fields(args):

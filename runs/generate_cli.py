@@ -409,7 +409,7 @@ def generate_main(args):
 
         def log(msg):
             if speak:
-                print(msg, file=sys.stderr, flush=True)
+                print_err(msg)
 
         model_args = read_model_args(args.ckpt, args)
         check_shapes(args, model_args)

@@ -45,6 +45,7 @@ import hashlib
 import os
 import re
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -210,11 +211,11 @@ class KVStore:
         except PrivateError as e:
             self.last_rejection = str(e)
             self._count(rejected=1)
-            self.log(f"{e} (it was removed)")
             try:
                 os.unlink(path)  # a link goes, never its target
-            except OSError:
-                pass  # a directory: it stays, and every read of this key is a miss
+                self.log(f"{e} (it was removed)")
+            except OSError:  # a directory: it stays, and every read of this key is a miss
+                self.log(f"{e} (it was left; remove it for this chunk to be stored)")
             return None
 
     def _reject(self, path, fd, why):
@@ -343,8 +344,8 @@ class KVStore:
         except OSError as e:
             if tmp is not None:
                 remove_quietly(tmp)
-            # ENOENT: clear() took our temporary file
-            if e.errno not in DISK_FULL and e.errno != errno.ENOENT:
+            # ENOENT: clear() took our temporary file; EISDIR: a directory holds the entry's name
+            if e.errno not in DISK_FULL and e.errno not in (errno.ENOENT, errno.EISDIR):
                 raise
             with self.lock:
                 first = not self.stats["write_failures"]
@@ -380,10 +381,11 @@ class KVStore:
         for name in os.listdir(self.root):
             if ENTRY.match(name):
                 try:
-                    st = os.stat(os.path.join(self.root, name))
+                    st = os.lstat(os.path.join(self.root, name))
                 except FileNotFoundError:
                     continue
-                out.append((name[:-3], st.st_size, st.st_mtime))
+                if stat.S_ISREG(st.st_mode):  # a directory or a link there is no entry
+                    out.append((name[:-3], st.st_size, st.st_mtime))
         return sorted(out, key=lambda e: e[2])
 
     def size(self):

@@ -338,6 +338,7 @@ class PromptCache:
         self.keys = chunk_keys(run, prompt_ids, cache.chunk_size)
         self.P = len(prompt_ids)
         self.adopted = 0
+        self.restored = 0
         self.claimed = set()  # keys this task computes; each claim is released once stored
         self.stored = []
         self.pending = None
@@ -354,6 +355,7 @@ class PromptCache:
         C = cache.chunk_size
         s = self.store
         n = (self.P - 1) // C
+        self.restored = cache.n_sealed  # a resume's chunks: from the disk tier, not the store
         while cache.n_sealed < n:
             j = cache.n_sealed
             if s.cuda:  # read on the host, then copied into the open chunk on the device
@@ -442,7 +444,7 @@ class PromptCache:
             self.stored.append(self.pending.result())
         self.close()
         C = self.store.chunk_size
-        return {"reused_tokens": self.adopted * C,
+        return {"reused_tokens": (self.adopted - self.restored) * C,
                 "stored_tokens": sum(n > 0 for n in self.stored) * C,
                 "store_bytes_read": self.bytes_read,
                 "store_bytes_written": sum(self.stored)}

@@ -176,6 +176,23 @@ def test_full_disk_skips_the_entry_and_leaves_no_temporary_file(tmp_path, monkey
     assert os.listdir(tmp_path / "s") == []
 
 
+def test_a_directory_at_an_entrys_name_is_a_miss_not_a_failure(tmp_path):
+    """A directory where an entry's file would be: reads miss and say it was left (they said it
+    was removed), writes skip that key (a raw EISDIR failed the run, every run), and --list and
+    --clear pass it by (--clear ended in a traceback)."""
+    said = []
+    store = KVStore(tmp_path / "s", log=said.append)
+    k = keys()
+    store.write(k[1], chunks())
+    os.mkdir(store.path(k[0]))
+    out = [torch.zeros(SHAPE) for _ in range(len(chunks()))]
+    assert store.read(k[0], out) == 0
+    assert "(it was left; remove it for this chunk to be stored)" in said[-1], said
+    assert store.write(k[0], chunks()) == 0 and store.stats["write_failures"] == 1
+    assert [e[0] for e in store.entries()] == [k[1]]
+    assert store.clear() == 1 and os.path.isdir(store.path(k[0]))
+
+
 def test_rejected_entry_replaced_meanwhile_is_kept(tmp_path):
     """A reader that found a bad entry must not delete the good one a writer renamed over it
     since."""

@@ -155,6 +155,21 @@ def test_bad_manifest_field_is_reported_and_recomputed(model, ids_and_reference,
     assert new == ref and log == [] and stats["resumed_from"] > 0
 
 
+def test_a_resume_is_not_counted_as_reuse_from_the_kv_store(model, ids_and_reference, tmp_path):
+    """A kept run resumed with --kv-store: the chunks restored from its disk tier are
+    resumed_from, not reused_tokens (nothing was read from the store, which is empty here; the
+    restored chunks were counted as reused)."""
+    from runs.kvstore import KVStore
+    ids, ref = ids_and_reference
+    new, _, _ = run_kept(model, ids, tmp_path)
+    assert new == ref
+    cfg = OffloadConfig(mode="disk", window=1, offload_dir=str(tmp_path), keep_files=True)
+    new, stats = run_task(model, ids, NEW, chunk_size=C, cfg=cfg, eos_ids=EOS, task_id="t",
+                          fingerprint="fp", kv_store=KVStore(tmp_path / "store"))
+    assert new == ref and stats["resumed_from"] > 0
+    assert stats["reused_tokens"] == 0 and stats["store_bytes_read"] == 0, stats
+
+
 def test_replaced_tokens_are_not_replayed(model, ids_and_reference, tmp_path):
     """Generated tokens replaced by hand (or by any tool that does not know the checksum): the
     manifest no longer matches its checksum, is reported, and the task is recomputed; without the
