@@ -314,7 +314,12 @@ def check_link(args, model, model_args, skip):
     if args.offload == "disk":
         if skip:
             return False, symptom, f"disk not measured: {skip}", ""
-        disk = probe.disk_bandwidth(args.offload_dir, args.probe_mib << 20)
+        try:
+            disk = probe.disk_bandwidth(args.offload_dir, args.probe_mib << 20)
+        except OSError as e:  # a full disk is the finding, not the doctor's end
+            return (True, symptom, f"{args.offload_dir} cannot hold the probe's "
+                    f"{args.probe_mib} MiB ({e.strerror})",
+                    "free space there, or another --offload-dir (or a smaller --probe-mib)")
         rates["disk read (cold)"] = disk["read"]
         if args.compress == "zstd":
             z = probe.zstd_on_real_kv(model, args.chunk_size)

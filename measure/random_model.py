@@ -15,7 +15,7 @@ import torch
 
 from checkpoint import ours_to_hf
 from model import ModelArgs, Transformer
-from private import FILE_MODE, make_private_dir, write_atomic
+from private import FILE_MODE, PrivateError, make_private_dir, write_atomic
 
 SIZE_KEYS = ("dim", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
 PRESETS = {  # --random-model NAME[,key=value,...]
@@ -186,6 +186,13 @@ if __name__ == "__main__":
         spec = parse_model_spec(a.spec)
     except ValueError as e:
         p.exit(2, f"python -m measure.random_model: error: {e}\n")
+    if os.path.lexists(a.out_dir) and (os.path.islink(a.out_dir) or not os.path.isdir(a.out_dir)
+                                       or os.listdir(a.out_dir)):  # never over a checkpoint
+        p.exit(2, f"python -m measure.random_model: error: {a.out_dir} exists and is not an "
+               "empty directory; give a new directory\n")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
-    print(build_random_checkpoint(spec, a.out_dir, dtype, seed=a.seed,
-                                  trained_scale=a.trained_scale, tied=a.tied))
+    try:
+        print(build_random_checkpoint(spec, a.out_dir, dtype, seed=a.seed,
+                                      trained_scale=a.trained_scale, tied=a.tied))
+    except (PrivateError, OSError) as e:
+        p.exit(2, f"python -m measure.random_model: error: {e}\n")

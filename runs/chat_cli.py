@@ -104,7 +104,10 @@ def main(argv=None):
     lock = chat = None
     try:
         if args.list:
-            return list_main(args.list)
+            try:
+                return list_main(args.list)
+            except BrokenPipeError:  # `--list | head`
+                return interrupt.closed_stdout_quietly()
         if args.remove:
             left = remove_session(args.remove)
             if left:
@@ -187,6 +190,9 @@ def list_main(root):
         if why:
             print(f"{name}: cannot be used ({why})")
             continue
+        if not all(k in m for k in ("turns", "tokens", "dtype", "chunk_size")):  # hand-edited
+            print(f"{name}: cannot be used (its {MANIFEST_NAME} lacks fields)")
+            continue
         print(f"{name}: {m['turns']} turns, {len(m['tokens'])} tokens, {m['dtype']}, chunk "
               f"{m['chunk_size']}, {m.get('ckpt')}")
     return 0
@@ -199,7 +205,9 @@ def setup(args):
         raise UsageError("--ckpt DIR is needed: a checkpoint with a chat template")
     if args.tp:
         raise UsageError("--tp: chat.py runs one process; drop --tp")
-    path = args.session or os.path.join(SESSIONS, time.strftime("%Y%m%d-%H%M%S"))
+    # a new session's name: the time and the process (two started in one second collided)
+    new = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    path = args.session or os.path.join(SESSIONS, new)
     m = None
     if is_session(path):
         m, why = read_manifest(path)

@@ -44,6 +44,7 @@ MODE_SPECS = {
 }
 DEFAULT_OFFLOAD_DIR = "./kv_cache_offload"
 DEFAULT_BATCH_SIZE = 4  # --prompts: tasks in flight, their decode steps batched
+MAX_THREADS = 1024  # --threads: torch.set_num_threads segfaults at 100,000 (runs at 4,096)
 CKPT_HELP = "Hugging Face checkpoint directory (default: the demo model in assets/)"
 # generate.py's defaults that differ between the demo (no --ckpt) and a checkpoint of your own
 
@@ -182,8 +183,8 @@ def check_common(args, needs_disk):
          f"--window must be >= 0, got {args.window}"),
         (args.cpu_budget is None or (math.isfinite(args.cpu_budget) and args.cpu_budget >= 0),
          f"--cpu-budget must be a number >= 0 GiB, got {args.cpu_budget}"),
-        (args.threads is None or args.threads >= 1,
-         f"--threads must be >= 1, got {args.threads}"),
+        (args.threads is None or 1 <= args.threads <= MAX_THREADS,  # torch crashes far past it
+         f"--threads must be from 1 to {MAX_THREADS}, got {args.threads}"),
         (args.staging_slots >= 1,
          f"--staging-slots must be >= 1, got {args.staging_slots}"),
         (args.group_buffers >= 0,
@@ -396,7 +397,12 @@ def check_shapes(args, model_args):
 def text_out():
     """stdout that cannot encode every character (PYTHONIOENCODING=ascii, a C locale without UTF-8
     mode) writes the others as escapes (\\u20ac: valid inside --json's strings too) rather than
-    ending the run with a traceback midway through an answer."""
+    ending the run with a traceback midway through an answer. A closed stdout (>&-) is refused
+    before any work (a traceback at the first token)."""
+    if sys.stdout is None:
+        print_err(f"{os.path.basename(sys.argv[0])}: error: stdout is closed; give the run one "
+                  "(> FILE, or > /dev/null)")
+        sys.exit(2)
     encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
     if encoding != "utf8" and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="backslashreplace")

@@ -89,7 +89,7 @@ HELP_GROUPS = {
     "speculation (the output is unchanged)": ("speculate", "draft", "draft_tokens"),
     "offload": ("offload", "chunk_size", "window", "offload_dir", "cpu_budget", "compress",
                 "kv_dtype", "staging_slots", "group_buffers", "kv_store", "kv_store_budget",
-                "select", "select_budget", "select_dense"),
+                "select", "select_budget", "select_dense", "placement"),
     "batch (with --prompts)": ("prompts", "output", "batch_size", "keep_cache",
                                "fallback_cpu_budget", "fallback_context"),
     "parallel (under torchrun)": ("tp",),

@@ -288,6 +288,16 @@ def test_verify_refuses_or_withholds_a_proof_that_read_no_tier(text_ckpt, tmp_pa
     assert "disk                     NOT PROVEN" in out and "FAILED" in out, out
 
 
+@pytest.mark.parametrize("script", ["generate.py", "chat.py"])
+def test_a_closed_stdout_is_one_sentence(script, text_ckpt, tmp_path):
+    """Started with stdout closed (>&-): one line and exit 2 before any work (a traceback)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--ckpt", text_ckpt],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                       timeout=120, preexec_fn=lambda: os.close(1))
+    assert p.returncode == 2 and p.stderr == f"{script}: error: stdout is closed; give the run " \
+        "one (> FILE, or > /dev/null)\n", p.stderr
+
+
 # -----------------------------------------------------------------------------
 # what a user is told
 

@@ -53,3 +53,27 @@ def test_one_colour_per_task_and_short_legends(tmp_path, monkeypatch):
     legends = [[text.get_text() for text in ax.get_legend().get_texts()] for ax in panels]
     assert legends == [["task a", "task b"], ["rss", "anon"],
                        ["d2h", "h2d", "disk write", "disk read", "read in place"]]
+
+
+def test_the_image_is_written_as_the_project_writes_files(tmp_path, capsys):
+    """-o through a link: the link is replaced, its target untouched (it was overwritten), the
+    image private (0644 before); a format matplotlib lacks and a trace that is not UTF-8 are one
+    sentence each (tracebacks)."""
+    pytest.importorskip("matplotlib")
+    tool = load_tool()
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(step("a", t)) + "\n" for t in range(1, 4)))
+    target = tmp_path / "target.txt"
+    target.write_text("keep me")
+    link = tmp_path / "out.png"
+    os.symlink(target, link)
+    assert tool.main([str(trace), "-o", str(link)]) == 0
+    assert target.read_text() == "keep me" and not os.path.islink(link)
+    with open(link, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.stat(link).st_mode & 0o777 == 0o600
+    capsys.readouterr()
+    assert tool.main([str(trace), "-o", str(tmp_path / "x.txt")]) == 2
+    assert "cannot write .txt images" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_bytes(b"\xff\xfe not text")
+    assert tool.main([str(tmp_path / "bad.jsonl")]) == 2
+    assert "is not UTF-8 text" in capsys.readouterr().err

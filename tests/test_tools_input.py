@@ -21,6 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("speculation.py", ["--contexts", "99999"], "past the model's 32768 positions"),
     ("profile_decode.py", ["--ckpt", os.path.join(ROOT, "README.md")], "not a directory"),
     ("prefill_granule.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+    ("longeval.py", ["--depths", "nan"], "--depths 'nan': give a comma list of numbers from 0"),
+    ("longeval.py", ["--chunk-size", "0"], "--chunk-size must be at least 1, got 0"),
+    ("longeval.py", ["--policies", "all,quest:8", "--chunk-size", "16"],
+     "the budget must be a whole number of tokens, at least one chunk (16)"),
+    ("longeval.py", ["--repeats", "0"], "--repeats must be at least 1"),
+    ("longeval.py", ["--ckpt", "/nonexistent"], "/nonexistent/config.json not found"),
+    ("longeval.py", ["--doc-file", ROOT], f"--doc-file {ROOT}: cannot be read as UTF-8 text"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tool, args, says):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *args],

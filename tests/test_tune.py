@@ -207,6 +207,25 @@ def test_diagnose_finds_an_unwritable_directory(capsys, llama_ckpt, tmp_path):
                for line in found), out
 
 
+def test_diagnose_a_disk_too_full_for_the_probe_is_a_finding(capsys, llama_ckpt, tmp_path,
+                                                             monkeypatch):
+    """An --offload-dir with less room than the probe's file: a FOUND line, the other checks still
+    printed (an OSError traceback ended the doctor, every finding lost)."""
+    import errno
+
+    from measure import probe
+
+    def full(path, nbytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(probe, "disk_bandwidth", full)
+    rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "disk",
+                              "--offload-dir", tmp_path / "kv", "--chunk-size", 16, "--window", 2,
+                              "--context", 256)
+    assert rc == 1 and any("cannot hold the probe's 8 MiB (No space left on device)" in line
+                           for line in found), out
+    assert any(line.startswith("ok     no bytes moving") for line in out), out
+
+
 def test_diagnose_finds_a_window_larger_than_the_context(capsys, llama_ckpt):
     rc, found, out = diagnose(capsys, llama_ckpt, "--offload", "cpu", "--chunk-size", 16,
                               "--window", 32, "--context", 256)

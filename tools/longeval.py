@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from checkpoint import CheckpointError  # noqa: E402
 from generate import decode_one_token, prefill  # noqa: E402
 from kvcache import make_cache  # noqa: E402
 from model import Transformer  # noqa: E402
@@ -56,6 +57,12 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
+def refuse(message):
+    """A wrong argument: one line on stderr, exit 2."""
+    print(f"longeval.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_policies(text, chunk_size):
     """'all,quest:1024' -> [('all', None), ('quest', 1024)]; a budget is whole tokens, at least
     one chunk (refused before the model loads, not after the first policies ran)."""
@@ -65,11 +72,10 @@ def parse_policies(text, chunk_size):
         takes_budget = name in SELECTIONS and SELECTIONS[name].takes_budget
         if name not in SELECTIONS or takes_budget != bool(budget):
             spelled = [f"{n}:TOKENS" if c.takes_budget else n for n, c in SELECTIONS.items()]
-            raise SystemExit(f"longeval.py: error: --policies: {item!r} is not one of "
-                             f"{', '.join(spelled)}")
+            refuse(f"--policies: {item!r} is not one of {', '.join(spelled)}")
         if budget and not (budget.isdigit() and int(budget) >= chunk_size):
-            raise SystemExit(f"longeval.py: error: --policies: {item!r}: the budget must be a "
-                             f"whole number of tokens, at least one chunk ({chunk_size})")
+            refuse(f"--policies: {item!r}: the budget must be a whole number of tokens, at least "
+                   f"one chunk ({chunk_size})")
         out.append((name, int(budget) if budget else None))
     return out
 
@@ -104,8 +110,7 @@ def document_ids(tok, path, n_tokens):
         text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = tok.encode(text)
     if len(ids) < n_tokens:
-        raise SystemExit(f"longeval.py: error: the document has {len(ids)} tokens, fewer than "
-                         f"--doc-tokens {n_tokens}")
+        refuse(f"the document has {len(ids)} tokens, fewer than --doc-tokens {n_tokens}")
     return ids[:n_tokens]
 
 
@@ -160,6 +165,30 @@ def teacher_forced(model, ids, args, policy, store, tmp):
     return torch.cat(logits).float().cpu(), read / max(1, steps) / 2**20, seconds / steps
 
 
+def check_flags(args):
+    """Every number a run needs, in range, before the model loads: one sentence, exit 1."""
+    def numbers(flag, text, kind, ok):
+        try:
+            values = [kind(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or not all(ok(v) for v in values):
+            what = "numbers from 0 to 1" if kind is float else "whole numbers of at least 1"
+            refuse(f"{flag} {text!r}: give a comma list of {what}")
+        return values
+    args.lengths = numbers("--lengths", args.lengths, int, lambda n: n >= 1)
+    args.depths = numbers("--depths", args.depths, float, lambda d: 0 <= d <= 1)
+    for flag, value, least in (("--trials", args.trials, 1), ("--doc-tokens", args.doc_tokens, 2),
+                               ("--eval-tokens", args.eval_tokens, 1),
+                               ("--chunk-size", args.chunk_size, 1), ("--window", args.window, 0),
+                               ("--repeats", args.repeats, 1), ("--dense", args.dense, 0),
+                               ("--threads", args.threads, 1)):
+        if value is not None and value < least:
+            refuse(f"{flag} must be at least {least}, got {value}")
+    if args.eval_tokens >= args.doc_tokens:
+        refuse(f"--eval-tokens {args.eval_tokens} must be below --doc-tokens {args.doc_tokens}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="longeval.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,15 +217,24 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="interleaved timing repeats (median)")
     p.add_argument("--skip-passkey", action="store_true", help="the document columns only")
     args = p.parse_args(argv)
-    args.lengths = [int(n) for n in args.lengths.split(",")]
-    args.depths = [float(d) for d in args.depths.split(",")]
+    check_flags(args)
     policies = parse_policies(args.policies, args.chunk_size)
     if ("all", None) not in policies:
         policies.insert(0, ("all", None))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = Transformer.from_pretrained(args.ckpt, dtype=DTYPES[args.dtype])
-    tok = load_tokenizer(args.ckpt)
+    try:
+        model = Transformer.from_pretrained(args.ckpt, dtype=DTYPES[args.dtype])
+        tok = load_tokenizer(args.ckpt)
+    except CheckpointError as e:
+        refuse(str(e))
+    if args.doc_file:  # read before any policy runs: a bad file is said, not met midway
+        try:
+            with open(args.doc_file, encoding="utf-8") as f:
+                f.read(1)
+        except (OSError, UnicodeDecodeError) as e:
+            refuse(f"--doc-file {args.doc_file}: cannot be read as UTF-8 text "
+                   f"({getattr(e, 'strerror', None) or e})")
     args.fingerprint = f"longeval-{os.path.abspath(args.ckpt)}-{args.dtype}-{args.chunk_size}"
     tmp = tempfile.mkdtemp(prefix="longeval-")
     os.chmod(tmp, 0o700)

@@ -7,14 +7,19 @@ moved per tier over time, one line per task, alerts as vertical marks.
 matplotlib is an optional dependency: `pip install matplotlib`.
 """
 import argparse
+import io
 import json
+import os
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from private import PrivateError, write_atomic  # noqa: E402
 
 
 def load(path):
     steps, alerts = defaultdict(list), []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             try:
                 e = json.loads(line)
@@ -47,6 +52,10 @@ def main(argv=None):
         steps, alerts = load(args.trace)
     except OSError as e:
         print(f"plot_trace.py: error: {args.trace}: {e.strerror}", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError:
+        print(f"plot_trace.py: error: {args.trace} is not UTF-8 text (a --trace file is)",
+              file=sys.stderr)
         return 2
     if not steps:
         print(f"plot_trace.py: error: {args.trace} has no step events", file=sys.stderr)
@@ -89,7 +98,22 @@ def main(argv=None):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{args.trace}: {len(steps)} task(s), {len(alerts)} alert(s)")
     fig.tight_layout()
-    fig.savefig(args.output, dpi=100)
+    # drawn in memory, then written as the project writes files: 0600, a link at the name
+    # replaced, never followed
+    image = io.BytesIO()
+    kind = os.path.splitext(args.output)[1][1:].lower() or "png"
+    try:
+        fig.savefig(image, dpi=100, format=kind)
+    except ValueError:
+        print(f"plot_trace.py: error: -o {args.output}: matplotlib cannot write .{kind} images; "
+              "name a .png, .svg or .pdf", file=sys.stderr)
+        return 2
+    try:
+        write_atomic(args.output, image.getvalue())
+    except (OSError, PrivateError) as e:
+        print(f"plot_trace.py: error: -o {args.output}: cannot be written "
+              f"({getattr(e, 'strerror', None) or e})", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 
