@@ -83,6 +83,15 @@ def med(runs, key):
 
 
 # -----------------------------------------------------------------------------
+def batch_sizes(text):
+    """--batch-sizes 1,4,16: argparse names the flag and this function in its error."""
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of whole numbers, e.g. "
+                                         "1,4,8,16") from None
+
+
 # the runs: ours, and transformers' on the same checkpoint, prompt and dtype
 
 def run_ours(model, ids, args, mode, tag, new_tokens=None):
@@ -527,7 +536,7 @@ def build_parser():
                    "its own, cold (default: all in this process, after a warm-up)")
     # MODE:CONTEXT:NEW_TOKENS, --fresh-process's runs
     p.add_argument("--child-run", help=argparse.SUPPRESS)
-    p.add_argument("--batch-sizes", type=lambda s: [int(n) for n in s.split(",")],
+    p.add_argument("--batch-sizes", type=batch_sizes,
                    metavar="N,N,...",
                    help="measure batched decode instead: aggregate decode tok/s of N tasks "
                    "decoding together at the first --contexts, for each N (with --vs-hf beside "

@@ -300,6 +300,14 @@ class Results:
         os.close(self.fd)
 
 
+def pause(stop):
+    """Half a second, or less when stop (Ctrl-C's Event) is set: whether it is."""
+    if stop is None:
+        time.sleep(0.5)
+        return False
+    return stop.wait(0.5)
+
+
 def remove_leftover(offload_dir, task_id, output, log):
     """Remove the directory of a task whose result is in `output` already: a run killed between
     writing the result and removing the directory left it (GBs of disk tier), and no rerun runs
@@ -379,10 +387,8 @@ def run_batch(args, cfg, monitor, run_one, layout=None, batcher=None, stop=None)
                         log(f"task {task['id']}: process {e.holder} still runs it; waiting for "
                             "it to finish")
                         said = True
-                    if stop is not None and stop.wait(0.5):
+                    if pause(stop):
                         return  # Ctrl-C: the summary says what is left
-                    if stop is None:
-                        time.sleep(0.5)
             stats = {**result["stats"], "prompt_tokens": result["prompt_tokens"]}
             monitor.task_finished(task["id"], stats)
         except Exception as e:

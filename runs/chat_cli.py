@@ -102,6 +102,9 @@ def main(argv=None):
     text_out()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit fails a write, not us
     lock = chat = None
+    if args.list and args.remove:
+        print("chat.py: error: --list and --remove are two commands; give one", file=sys.stderr)
+        return 2
     try:
         if args.list:
             try:

@@ -284,9 +284,13 @@ def run(args):
                    f"the model's context of {model_args.max_context} less --max-new-tokens")
             print_err(f"verify.py: --prompt-file {args.prompt_file} holds {len(whole)} tokens; "
                       f"verifying its first {len(ids)} ({why})")
+        if not whole or len(whole) == int(bool(getattr(tokenizer, "add_bos", False))):
+            raise UsageError(f"--prompt-file {args.prompt_file} holds no text; give a file with "
+                             "the text to verify on")
         if len(ids) < 1:
-            raise UsageError("the prompt is empty or --max-new-tokens leaves no room for it in the "
-                             "model's context")
+            raise UsageError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the "
+                             f"prompt in the model's context of {model_args.max_context}; lower "
+                             "it")
         # the last token is never fed back, and a chunk that leaves the device must be read after
         if len(ids) + args.max_new_tokens - 1 <= args.chunk_size * (args.window + 1):
             raise UsageError(f"prompt ({len(ids)} tokens) plus --max-new-tokens fit in the device "

@@ -685,11 +685,25 @@ sys.stdin.read()
 """
 
 
-def test_second_user_of_a_task_dir_is_refused_across_processes(text_ckpt, tmp_path, capsys):
+def test_second_user_of_a_task_dir_is_waited_for_across_processes(text_ckpt, tmp_path, capsys,
+                                                                  monkeypatch):
+    """Another process holds a task's directory: the task is tried after the others, then waited
+    for (the other job's result, or the lock's end); here the holder lets go without a result once
+    the wait begins, so this job runs the task itself, and every task is in --output at exit 0."""
+    from runs import batch
     off = tmp_path / "off"
     off.mkdir(mode=0o700)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, ROOT, str(off)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    waits = []
+
+    def pause(stop):  # the job waits for the holder: it lets go now
+        waits.append(1)
+        if not holder.stdin.closed:
+            holder.stdin.close()
+            holder.wait(timeout=60)
+        return False
+    monkeypatch.setattr(batch, "pause", pause)
     try:
         assert holder.stdout.readline() == "holding\n"
         tasks = write_tasks(tmp_path / "tasks.jsonl",
@@ -697,12 +711,13 @@ def test_second_user_of_a_task_dir_is_refused_across_processes(text_ckpt, tmp_pa
         argv = batch_args(text_ckpt, tasks, tmp_path / "results.jsonl", off, *DISK)
         rc, err = run_main(argv, capsys)
     finally:
-        holder.stdin.close()
+        if not holder.stdin.closed:
+            holder.stdin.close()
         holder.wait(timeout=60)
-    assert rc == 1
-    failed = [line for line in err.splitlines() if line.startswith("task busy: FAILED")]
-    assert len(failed) == 1 and f"in use by process {holder.pid}" in failed[0], err
-    assert [r["id"] for _, r in results(tmp_path / "results.jsonl")] == ["free"]
+    assert rc == 0 and waits and "FAILED" not in err, err
+    assert f"task busy: process {holder.pid} runs it now" in err, err
+    assert f"task busy: process {holder.pid} still runs it; waiting for it" in err, err
+    assert sorted(r["id"] for _, r in results(tmp_path / "results.jsonl")) == ["busy", "free"]
 
 
 # -----------------------------------------------------------------------------
