@@ -322,11 +322,15 @@ def make_cache(model, cfg, chunk_size, max_length, disk_path=None, restore=None,
                         max_length=max_length, device=emb.device, cfg=cfg, disk_path=disk_path,
                         restore=restore, on_durable=on_durable, arena=arena,
                         placement=PLACEMENTS[cfg.placement]())
-    if selection is None:
-        selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
-                                   model_args.n_layers, cfg.select_dense)
-    if emb.is_cpu:  # a decode step's compiled kernels built now, before any step is timed
-        R = model_args.n_heads // model_args.n_kv_heads
-        bias = getattr(model.layers[0].attention.wq, "bias", None) is not None  # Qwen2: q, k, v
-        prepare(emb.dtype, layout.attend_dtype, G, R, chunk_size, model_args.head_dim, bias)
-    return KVCache(store, layout, model_args.layer_windows, selection)
+    try:  # the caller closes the cache it gets; until then a failure or Ctrl-C closes the store
+        if selection is None:
+            selection = make_selection(cfg.select, cfg.select_budget, chunk_size, cfg.window,
+                                       model_args.n_layers, cfg.select_dense)
+        if emb.is_cpu:  # a decode step's compiled kernels built now, before any step is timed
+            R = model_args.n_heads // model_args.n_kv_heads
+            bias = getattr(model.layers[0].attention.wq, "bias", None) is not None  # Qwen2
+            prepare(emb.dtype, layout.attend_dtype, G, R, chunk_size, model_args.head_dim, bias)
+        return KVCache(store, layout, model_args.layer_windows, selection)
+    except BaseException:
+        store.close()
+        raise

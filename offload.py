@@ -48,7 +48,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from disk import ALIGN, DiskError, DiskTier, as_bytes, round_up
+from disk import ALIGN, DiskTier, as_bytes, round_up
 from policy import Placement, host_budget_refusal, plan_tiers
 from pools import (
     DEVICE,
@@ -165,8 +165,8 @@ class TieredStore(Prefetcher):
             try:
                 self.disk = DiskTier(disk_path, n_layers, self.n_chunks, shape, dtype,
                                      cfg.compress, restore=restore)
-            except DiskError:  # a full disk: the directory of our own goes with what it holds
-                if self.own_dir:
+            except BaseException:  # a full disk, or Ctrl-C while the tier's files are made: the
+                if self.own_dir:   # directory of our own goes with what it holds (no close() comes)
                     shutil.rmtree(self.own_dir, ignore_errors=True)
                 raise
         offloading = cfg.mode != "none"

@@ -286,37 +286,13 @@ def test_a_results_file_that_cannot_take_a_result_keeps_the_task_to_resume(text_
     assert r["tokens"] == serial["t2"]["tokens"] and r["stats"]["resumed_from"] > 0
 
 
+@pytest.mark.parametrize("ends", ["meanwhile", "at_the_end"])
 def test_a_task_another_job_runs_is_tried_again_not_failed(text_ckpt, tmp_path, capsys,
-                                                          monkeypatch):
+                                                          monkeypatch, ends):
     """Two jobs on one --output and --offload-dir: a task whose directory the other job holds is
-    tried again after the other tasks, and skipped where that job's result is in the file by then
-    (it was counted FAILED, and the job exited 1 though every task finished)."""
-    from runs import batch
-    tasks = write_tasks(tmp_path / "tasks.jsonl", [SHORT, TASKS[0]])
-    output = tmp_path / "results.jsonl"
-    other = TaskDir(str(tmp_path / "off"), "short")  # the other job, running "short"
-    with_fallbacks = batch.with_fallbacks
-
-    def meanwhile(task, *args):  # the other job finishes "short" while this one runs "t0"
-        if task["id"] == "t0":
-            with open(output, "a") as f:
-                f.write(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
-            other.close(remove=True)
-        return with_fallbacks(task, *args)
-    monkeypatch.setattr(batch, "with_fallbacks", meanwhile)
-    rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK,
-                                  "--batch-size", 1), capsys)
-    assert rc == 0 and "FAILED" not in err, err
-    assert f"task short: process {os.getpid()} runs it now" in err, err
-    assert "task short: already in" in err and "skipped" in err, err
-    assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
-
-
-def test_a_task_another_job_still_runs_at_the_end_is_waited_for(text_ckpt, tmp_path, capsys,
-                                                               monkeypatch):
-    """The other job still holds the task when this one has done the rest: it waits for that
-    job's result (the task was counted FAILED and the job exited 1 though the other job wrote
-    it)."""
+    tried again after the other tasks, skipped where that job's result is in the file by then
+    (meanwhile), and waited for where that job still runs it (at_the_end: it ends a second into
+    the last try). It was counted FAILED, and the job exited 1 though every task finished."""
     import threading
 
     from runs import batch
@@ -326,23 +302,28 @@ def test_a_task_another_job_still_runs_at_the_end_is_waited_for(text_ckpt, tmp_p
     with_fallbacks = batch.with_fallbacks
     tries = []
 
-    def finish():  # the other job, a second later: its result, then its directory goes
+    def finish():  # the other job: its result, then its directory goes
         with open(output, "a") as f:
             f.write(json.dumps({"id": "short", "tokens": [1], "text": ""}) + "\n")
         other.close(remove=True)
 
-    def later(task, *args):
+    def other_job(task, *args):
+        if ends == "meanwhile" and task["id"] == "t0":  # it finishes while this job runs "t0"
+            finish()
         if task["id"] == "short":
             tries.append(1)
-            if len(tries) == 2:  # the last try, after "t0": the other job ends soon
+            if ends == "at_the_end" and len(tries) == 2:  # the last try: it ends soon
                 threading.Timer(1.0, finish).start()
         return with_fallbacks(task, *args)
-    monkeypatch.setattr(batch, "with_fallbacks", later)
+    monkeypatch.setattr(batch, "with_fallbacks", other_job)
     rc, err = run_main(batch_args(text_ckpt, tasks, output, tmp_path / "off", *DISK,
                                   "--batch-size", 1), capsys)
     assert rc == 0 and "FAILED" not in err, err
-    assert f"task short: process {os.getpid()} still runs it; waiting for it" in err, err
-    assert "task short: already in" in err and len(tries) >= 3, err
+    assert f"task short: process {os.getpid()} runs it now" in err, err
+    if ends == "at_the_end":
+        assert f"task short: process {os.getpid()} still runs it; waiting for it" in err, err
+        assert len(tries) >= 3, tries
+    assert "task short: already in" in err and "skipped" in err, err
     assert sorted(r["id"] for _, r in results(output)) == ["short", "t0"]
 
 
